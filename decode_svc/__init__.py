@@ -1,0 +1,1 @@
+"""Decode role: continues handed-off requests token by token and streams the tokens."""

@@ -1,0 +1,1 @@
+"""Encode role: Ray-managed encoder replicas that turn images into vision embeddings in the store."""

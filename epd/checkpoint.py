@@ -1,0 +1,463 @@
+"""Qwen3.5 checkpoints: named presets, random-weight creation, and loading.
+
+This module owns the on-disk model format used by every stage:
+
+* ``PRESETS`` / ``config_from_name``: Qwen3.5 configs in the real architecture
+  (``tiny`` for tests/demos, ``qwen3.5-0.8b`` with the published shape), whose
+  token ids come from :mod:`epd.tokenizer_build`.
+* ``create_checkpoint``: a Hugging Face checkpoint with transformers' own random
+  init, written by our own safetensors writer, loadable by
+  ``Qwen3_5ForConditionalGeneration.from_pretrained`` (the correctness oracle).
+* ``read_config`` / ``load_tensors`` / ``build_vision_model`` /
+  ``build_text_model``: the loading path shared by our presets and real
+  downloaded Qwen3.5 checkpoints (extra tensors such as ``mtp.*`` are ignored).
+* ``model_fingerprint`` / ``count_parameters``: identity and size helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5TextModel,
+    Qwen3_5TextRotaryEmbedding,
+    Qwen3_5VisionModel,
+    Qwen3_5VisionRotaryEmbedding,
+)
+
+from epd.tokenizer_build import build_tokenizer, special_token_ids
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 10**9  # HF's "2GB" (decimal), as save_pretrained uses
+VISION_PREFIX = "model.visual."
+TEXT_PREFIX = "model.language_model."
+LM_HEAD = "lm_head.weight"
+# Loads smaller than this finish before a progress bar would be useful.
+_PROGRESS_MIN_BYTES = 256 * 1024**2
+_FINGERPRINT_SAMPLE = 1024**2
+
+PREPROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "resample": 3,
+}
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _layer_types(num_layers: int, full_every: int = 4) -> list[str]:
+    # Qwen3.5 puts a full-attention layer after every three linear-attention ones.
+    return ["full_attention" if (i + 1) % full_every == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _token_config(ids: dict[str, int]) -> dict:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _make_config(text: dict, vision: dict, initializer_range: float) -> Qwen3_5Config:
+    tokenizer = build_tokenizer()
+    ids = special_token_ids(tokenizer)
+    text = dict(text)
+    if text.get("vocab_size") is None:
+        # Round up so the embedding has a GEMM-friendly row count.
+        text["vocab_size"] = -(-len(tokenizer) // 64) * 64
+    text.update(
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        initializer_range=initializer_range,
+        layer_types=_layer_types(text["num_hidden_layers"]),
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        linear_conv_kernel_dim=4,
+    )
+    vision = dict(vision, initializer_range=initializer_range, hidden_act="gelu_pytorch_tanh", in_channels=3)
+    return Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_config(ids),
+    )
+
+
+def _tiny() -> Qwen3_5Config:
+    text = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        intermediate_size=128,
+        vocab_size=None,
+        max_position_embeddings=8192,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+    )
+    # Wider init than 0.02 so random greedy decoding has decisive logits.
+    return _make_config(text, vision, initializer_range=0.1)
+
+
+def _qwen35_0_8b() -> Qwen3_5Config:
+    text = dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        intermediate_size=3584,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=12,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_heads=12,
+        out_hidden_size=1024,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+    )
+    return _make_config(text, vision, initializer_range=0.02)
+
+
+PRESETS: dict[str, Callable[[], Qwen3_5Config]] = {
+    "tiny": _tiny,
+    "qwen3.5-0.8b": _qwen35_0_8b,
+}
+
+
+def config_from_name(name: str) -> Qwen3_5Config:
+    """A fresh config for preset ``name`` (configs are mutable, so never shared)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    """Number of parameters, counting tied (shared) tensors once."""
+    return sum(p.numel() for _, p in module.named_parameters(remove_duplicate=True))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    # View as raw bytes so bf16 (which numpy lacks) works too; safetensors is little-endian.
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+def _shard_plan(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], bar) -> None:
+    """Stream one safetensors file: 8-byte header length, JSON header, raw data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the spec wants the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(_tensor_bytes(t))
+            bar.update(1)
+
+
+def save_weights(state: dict[str, torch.Tensor], out_dir, progress: bool = True,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write ``state`` as HF safetensors (sharded + index when over ``max_shard_bytes``)."""
+    out_dir = pathlib.Path(out_dir)
+    plan = _shard_plan(state, max_shard_bytes)
+    names = [SINGLE_FILE] if len(plan) == 1 else [
+        f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))
+    ]
+    with tqdm(total=len(state), desc="writing tensors", unit="tensor", disable=not progress) as bar:
+        for fname, keys in zip(names, plan):
+            _write_safetensors(out_dir / fname, {k: state[k] for k in keys}, bar)
+    if len(plan) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: fname for fname, keys in zip(names, plan) for k in keys},
+        }
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def _generation_config(config: Qwen3_5Config) -> dict:
+    text = config.text_config
+    return {
+        "eos_token_id": [text.eos_token_id, text.pad_token_id],  # [<|im_end|>, <|endoftext|>]
+        "pad_token_id": text.pad_token_id,
+        "do_sample": False,
+    }
+
+
+def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progress: bool) -> None:
+    config = config_from_name(preset)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop(LM_HEAD, None)  # tied: the embedding is the head
+    del model  # the state dict keeps the tensors; drop the module graph early
+    config.save_pretrained(out_dir)
+    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
+    save_weights(state, out_dir, progress=progress)
+    build_tokenizer().save_pretrained(out_dir)  # also writes chat_template.jinja
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+
+
+def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True,
+                      overwrite: bool = False) -> pathlib.Path:
+    """Create a random-weight checkpoint of ``preset`` in ``out_dir``; returns the path.
+
+    Files are written to a sibling temp dir and renamed into place, so an
+    interrupted create never leaves a half checkpoint behind. An existing
+    non-empty ``out_dir`` is an error unless ``overwrite``.
+    """
+    out_dir = pathlib.Path(out_dir).resolve()
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; a checkpoint should be readable by other users
+    try:
+        _write_checkpoint_files(preset, tmp, seed, progress)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_config(model_dir) -> Qwen3_5Config:
+    """The Qwen3.5 config in ``model_dir``; ValueError if missing or another model type."""
+    path = pathlib.Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {model_dir}")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") != "qwen3_5":
+        raise ValueError(f"{path}: model_type is {raw.get('model_type')!r}, expected 'qwen3_5'")
+    return Qwen3_5Config.from_pretrained(model_dir)
+
+
+def _weight_files(model_dir: pathlib.Path) -> dict[str, list[str] | None]:
+    """File name -> tensor names it holds (None: all of them, unindexed single file)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        files: dict[str, list[str]] = {}
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            files.setdefault(fname, []).append(name)
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return {SINGLE_FILE: None}
+    raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def _read_header(path: pathlib.Path) -> tuple[bytes, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+    return raw, json.loads(raw)
+
+
+def _nbytes(entry: dict) -> int:
+    start, end = entry["data_offsets"]
+    return end - start
+
+
+def load_tensors(model_dir, prefix: str, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors whose name starts with ``prefix``, keyed with the prefix stripped."""
+    model_dir = pathlib.Path(model_dir)
+    wanted: dict[str, list[str]] = {}
+    total = 0
+    for fname in _weight_files(model_dir):
+        _, header = _read_header(model_dir / fname)
+        names = [k for k in header if k != "__metadata__" and k.startswith(prefix)]
+        if names:
+            wanted[fname] = names
+            total += sum(_nbytes(header[k]) for k in names)
+    count = sum(len(v) for v in wanted.values())
+    out: dict[str, torch.Tensor] = {}
+    show = progress and total >= _PROGRESS_MIN_BYTES
+    with tqdm(total=count, desc=f"loading {prefix or 'tensors'}", unit="tensor", disable=not show) as bar:
+        for fname, names in wanted.items():
+            with safe_open(model_dir / fname, framework="pt", device="cpu") as f:
+                for name in names:
+                    out[name[len(prefix):]] = f.get_tensor(name)
+                    bar.update(1)
+    return out
+
+
+def _assign_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], dtype, device) -> None:
+    tensors = {
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()
+    }
+    model.load_state_dict(tensors, strict=True, assign=True)
+
+
+def _check_materialized(model: torch.nn.Module, what: str) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{what}: tensors still on the meta device after loading: {left[:5]}")
+
+
+def build_vision_model(model_dir, dtype=torch.float32, device="cpu") -> Qwen3_5VisionModel:
+    """The vision tower from ``model.visual.*`` tensors only, in eval mode."""
+    config = read_config(model_dir).vision_config
+    with torch.device("meta"):
+        model = Qwen3_5VisionModel(config)
+    _assign_weights(model, load_tensors(model_dir, VISION_PREFIX), dtype, device)
+    # inv_freq is a non-persistent buffer (not in the file): meta-init left it
+    # empty, so rebuild the parameter-free rotary module for real.
+    with torch.device(device):
+        model.rotary_pos_emb = Qwen3_5VisionRotaryEmbedding(config)
+    _check_materialized(model, "vision model")
+    return model.eval()
+
+
+def build_text_model(model_dir, dtype=torch.float32, device="cpu") -> tuple[Qwen3_5TextModel, torch.Tensor]:
+    """The language model from ``model.language_model.*`` plus the LM head weight.
+
+    The head is ``lm_head.weight`` when the checkpoint has one, else (tied
+    embeddings) the very same tensor as ``embed_tokens.weight``.
+    """
+    model_dir = pathlib.Path(model_dir)
+    config = read_config(model_dir).text_config
+    with torch.device("meta"):
+        model = Qwen3_5TextModel(config)
+    _assign_weights(model, load_tensors(model_dir, TEXT_PREFIX, progress=True), dtype, device)
+    with torch.device(device):
+        model.rotary_emb = Qwen3_5TextRotaryEmbedding(config)  # see build_vision_model
+    _check_materialized(model, "text model")
+    head = load_tensors(model_dir, LM_HEAD).get("")
+    if head is not None:
+        head = head.to(device=device, dtype=dtype)
+    else:
+        head = model.embed_tokens.weight
+    return model.eval(), head
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def model_fingerprint(model_dir) -> str:
+    """Hex sha256 identifying a checkpoint's config and weights, without a full read.
+
+    Hashes config.json's bytes, then per weight file (sorted by name): its name,
+    size, raw safetensors header (names, dtypes, shapes, offsets) and a 1 MiB
+    sample of tensor data (512 KiB from the start of the data section and
+    512 KiB from its end). Any re-initialisation rewrites those bytes, so a new
+    seed gives a new fingerprint; hashing all 3.4 GB of the 0.8b would be slow.
+    """
+    model_dir = pathlib.Path(model_dir)
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    half = _FINGERPRINT_SAMPLE // 2
+    for fname in sorted(_weight_files(model_dir)):
+        path = model_dir / fname
+        size = path.stat().st_size
+        raw, _ = _read_header(path)
+        h.update(f"\0{fname}\0{size}\0".encode())
+        h.update(raw)
+        data_start = 8 + len(raw)
+        with open(path, "rb") as f:
+            f.seek(data_start)
+            h.update(f.read(half))
+            f.seek(max(data_start, size - half))
+            h.update(f.read(half))
+    return h.hexdigest()

@@ -1,0 +1,118 @@
+"""One typed config per role, composed into ``ServeConfig``; every field bounded and checked.
+
+A bad value fails at start-up with a ``ConfigError`` that names the field, not later in a worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value out of its bounds; the message names the field."""
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}")
+
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    redis_url: str | None = None
+    """External Redis URL (``redis://host:port/db``); None starts an embedded redis-server."""
+    ttl_s: int = 3600
+    """Seconds an embedding stays in the store after it is written."""
+    max_memory_mb: int = 1024
+    """Memory cap of the embedded Redis, evicting least-recently-used entries past it."""
+
+    def __post_init__(self) -> None:
+        _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+               "store.redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _check(1 <= self.ttl_s <= 30 * 86400, "store.ttl_s", f"must be in [1, 2592000], got {self.ttl_s}")
+        _check(16 <= self.max_memory_mb <= 1 << 20, "store.max_memory_mb", f"must be in [16, 1048576], got {self.max_memory_mb}")
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    num_replicas: int = 1
+    """Encoder replicas (Ray actors), each with its own copy of the vision tower."""
+    max_decoded_pixels: int = 64 * 1024 * 1024
+    """Ceiling on an image's own pixel count before resizing: a decompression-bomb guard."""
+    num_threads: int = 0
+    """torch threads per replica; 0 lets each replica use the cores it is given."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.num_replicas <= 256, "encode.num_replicas", f"must be in [1, 256], got {self.num_replicas}")
+        _check(65536 <= self.max_decoded_pixels <= 1 << 31, "encode.max_decoded_pixels",
+               f"must be in [65536, 2147483648], got {self.max_decoded_pixels}")
+        _check(0 <= self.num_threads <= 256, "encode.num_threads", f"must be in [0, 256], got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    dtype: str = "float32"
+    """Weights and activations dtype of the language model (prefill and decode)."""
+    num_threads: int = 0
+    """torch threads for the role; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _check(0 <= self.num_threads <= 256, "num_threads", f"must be in [0, 256], got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(LMConfig):
+    handoff_lease_s: float = 30.0
+    """A handed-off request that no Stream call claims within this many seconds is freed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(0.1 <= self.handoff_lease_s <= 3600, "decode.handoff_lease_s",
+               f"must be in [0.1, 3600], got {self.handoff_lease_s}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    """Address the public Router service binds to."""
+    port: int = 0
+    """Port of the Router service; 0 picks a free one."""
+    default_max_tokens: int = 256
+    """max_tokens when a request leaves it unset."""
+    max_tokens_limit: int = 4096
+    """The largest max_tokens a request may ask for."""
+    max_model_len: int = 0
+    """Prompt plus completion ceiling in tokens; 0 uses the model's max_position_embeddings."""
+    request_timeout_s: float = 600.0
+    """A request still running after this many seconds is abandoned with DEADLINE_EXCEEDED."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "router.port", f"must be in [0, 65535], got {self.port}")
+        _check(1 <= self.default_max_tokens <= self.max_tokens_limit, "router.default_max_tokens",
+               f"must be in [1, max_tokens_limit={self.max_tokens_limit}], got {self.default_max_tokens}")
+        _check(1 <= self.max_tokens_limit <= 1 << 20, "router.max_tokens_limit",
+               f"must be in [1, 1048576], got {self.max_tokens_limit}")
+        _check(self.max_model_len >= 0, "router.max_model_len", f"must be >= 0, got {self.max_model_len}")
+        _check(1 <= self.request_timeout_s <= 86400, "router.request_timeout_s",
+               f"must be in [1, 86400], got {self.request_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_dir: str
+    """Hugging Face Qwen3.5 checkpoint directory (config.json with model_type qwen3_5)."""
+    store: StoreConfig = field(default_factory=StoreConfig)
+    encode: EncodeConfig = field(default_factory=EncodeConfig)
+    prefill: LMConfig = field(default_factory=LMConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        _check(os.path.isfile(os.path.join(self.model_dir, "config.json")), "model_dir",
+               f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
+               "create one with `epd model create --preset tiny --out DIR`")

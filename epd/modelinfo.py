@@ -1,0 +1,47 @@
+"""What every role needs to know about a checkpoint, read once from its directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from epd import checkpoint
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: str
+    fingerprint: str  # identifies the weights in store keys: another model never reads these embeddings
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: frozenset[int]
+    max_position_embeddings: int
+    hidden_size: int
+
+    @classmethod
+    def load(cls, model_dir: str) -> ModelInfo:
+        config = checkpoint.read_config(model_dir)
+        return cls(
+            model_dir=model_dir,
+            fingerprint=checkpoint.model_fingerprint(model_dir)[:32],
+            image_token_id=config.image_token_id,
+            vision_start_token_id=config.vision_start_token_id,
+            vision_end_token_id=config.vision_end_token_id,
+            eos_token_ids=frozenset(_eos_ids(model_dir, config.text_config.eos_token_id)),
+            max_position_embeddings=config.text_config.max_position_embeddings,
+            hidden_size=config.text_config.hidden_size,
+        )
+
+
+def _eos_ids(model_dir: str, fallback: int | list[int] | None) -> list[int]:
+    """generation_config.json's eos ids (what generate stops on), else the config's."""
+    path = os.path.join(model_dir, "generation_config.json")
+    value = fallback
+    if os.path.isfile(path):
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id", fallback)
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

@@ -1,0 +1,126 @@
+"""gRPC plumbing every role shares: servers with standard health checking, channels, errors.
+
+Errors keep their meaning across hops: a role raises ``RpcFailure`` (or a ``ValueError`` for bad
+input, which is INVALID_ARGUMENT) and the router re-raises a downstream status with its code and
+message intact, so a bad image is INVALID_ARGUMENT at the gateway whichever service found it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # an encoded image, a request with several of them
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class RpcFailure(Exception):
+    """A failure with the gRPC status it must surface as."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError, hop: str) -> RpcFailure:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
+            details = f"{hop}: {details}"  # infrastructure failures say where; user errors stay as they were
+        return cls(code, details)
+
+
+def invalid(message: str) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    if isinstance(error, RpcFailure):
+        context.abort(error.code, error.message)
+    if isinstance(error, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    log.exception("internal error")
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+
+
+def unary_errors(method: Callable) -> Callable:
+    """Map exceptions raised by a unary servicer method to gRPC statuses."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every error must leave as a status
+            _abort(context, error)
+
+    return wrapper
+
+
+def stream_errors(method: Callable) -> Callable:
+    """Same as ``unary_errors`` for server-streaming methods (generators)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except Exception as error:  # noqa: BLE001
+            _abort(context, error)
+
+    return wrapper
+
+
+def start_server(
+    register: Iterable[Callable[[grpc.Server], str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32
+) -> tuple[grpc.Server, int]:
+    """Start a server with the given services plus grpc.health.v1; returns it and its bound port.
+
+    Each ``register`` callable adds one servicer and returns its full service name, which the
+    health service then reports as SERVING.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    names = [add(server) for add in register]
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    server.start()
+    for name in [*names, ""]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def is_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    try:
+        with channel(address) as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_serving(address: str, timeout_s: float = 60.0, service: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if is_serving(address, service):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s")

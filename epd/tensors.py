@@ -1,0 +1,57 @@
+"""Raw tensor bytes with an explicit dtype and shape: the only way tensors cross a process here.
+
+Never pickle: a tensor travels as its contiguous little-endian bytes plus a name for its dtype
+and its shape, and is rebuilt with ``torch.frombuffer`` on the other side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {dtype}; supported: {', '.join(DTYPES)}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def to_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's raw bytes, row-major (``[*shape]`` of ``dtype``)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """Rebuild a tensor from ``to_bytes`` output; the length must match ``dtype`` and ``shape``."""
+    torch_dtype = parse_dtype(dtype)
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    expected = numel * torch.empty((), dtype=torch_dtype).element_size()
+    if len(data) != expected:
+        raise ValueError(f"tensor of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=torch_dtype)
+    # bytearray keeps the result writable and owned (frombuffer on bytes would warn and alias).
+    return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(tuple(shape))
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

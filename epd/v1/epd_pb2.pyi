@@ -1,0 +1,271 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "messages", "sampling", "max_pixels", "enable_thinking")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    sampling: SamplingParams
+    max_pixels: int
+    enable_thinking: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_pixels: _Optional[int] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class Summary(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    image_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    ttft_s: float
+    e2e_s: float
+    images: int
+    images_encoded: int
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "summary")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    summary: Summary
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
+
+class EncodeItem(_message.Message):
+    __slots__ = ("store_key", "data", "max_pixels")
+    STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    store_key: str
+    data: bytes
+    max_pixels: int
+    def __init__(self, store_key: _Optional[str] = ..., data: _Optional[bytes] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[EncodeItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
+
+class EncodedImage(_message.Message):
+    __slots__ = ("store_key", "num_tokens", "grid_thw", "encode_s", "error")
+    STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    store_key: str
+    num_tokens: int
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    encode_s: float
+    error: str
+    def __init__(self, store_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., encode_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
+    def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("store_key", "merged_height", "merged_width")
+    STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    MERGED_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MERGED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    store_key: str
+    merged_height: int
+    merged_width: int
+    def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ...) -> None: ...
+
+class ResolvedSampling(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "images", "sampling", "deadline_unix")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    sampling: ResolvedSampling
+    deadline_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    first_logprobs: TokenLogprobs
+    finished: bool
+    finish_reason: str
+    decode_addr: str
+    prefill_s: float
+    handoff_s: float
+    handoff_bytes: int
+    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_addr: _Optional[str] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HandoffHeader(_message.Message):
+    __slots__ = ("request_id", "prompt_len", "rope_delta", "first_token", "sampling", "deadline_unix", "tensors")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_len: int
+    rope_delta: int
+    first_token: int
+    sampling: ResolvedSampling
+    deadline_unix: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class HandoffChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: HandoffHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class HandoffAck(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...

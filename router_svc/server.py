@@ -1,0 +1,206 @@
+"""The Router gRPC service: the single entry point a gateway calls.
+
+Per request: validate and tokenize (``PromptBuilder``), ask the store which image keys it already
+has (one pipelined round trip), send the misses to the encoder pool, send the prefill job, then
+relay the decode stream, applying stop strings, and end with a summary.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from epd import rpc
+from epd.config import RouterConfig
+from epd.modelinfo import ModelInfo
+from epd.request import FinishReason
+from epd.sampling import SamplingConfig
+from epd.store import EmbeddingStore
+from epd.v1 import epd_pb2, epd_pb2_grpc
+from router_svc.prompt import Prompt, PromptBuilder, request_images_proto
+from router_svc.text import TextStream
+
+
+class RouterServicer(epd_pb2_grpc.RouterServicer):
+    def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
+                 encoder_addr: str, prefill_addr: str) -> None:
+        self.config = config
+        self.builder = builder
+        self.store = store
+        self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
+        self._encoder = epd_pb2_grpc.EncoderStub(rpc.channel(encoder_addr))
+        self._prefill = epd_pb2_grpc.PrefillStub(rpc.channel(prefill_addr))
+        self._decode_stubs: dict[str, epd_pb2_grpc.DecodeStub] = {}
+
+    @rpc.stream_errors
+    def Generate(self, request: epd_pb2.GenerateRequest, context) -> Iterator[epd_pb2.GenerateResponse]:
+        start = time.perf_counter()
+        request_id = request.request_id or uuid.uuid4().hex
+        sampling = self._resolve_sampling(request.sampling)
+        max_pixels = request.max_pixels if request.HasField("max_pixels") else None
+        prompt = self.builder.build(request.messages, max_pixels, request.enable_thinking)
+        self._check_length(len(prompt.token_ids), sampling.max_tokens)
+        deadline = time.time() + min(self.config.request_timeout_s, context.time_remaining() or float("inf"))
+
+        num_encoded = self._ensure_embeddings(prompt, deadline, force=False)
+        reply, retried = self._prefill_with_retry(request_id, prompt, sampling, deadline)
+        num_encoded += retried
+        ttft = time.perf_counter() - start
+
+        text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
+        yield _chunk([reply.first_token], text.add([reply.first_token]),
+                     [reply.first_logprobs] if sampling.logprobs else [])
+        finish = reply.finish_reason if reply.finished else ""
+        if text.stopped:
+            finish = FinishReason.STOP.value
+        if not finish:
+            finish = yield from self._relay_decode(request_id, reply.decode_addr, text, sampling, deadline)
+        tail = text.flush()
+        if tail:
+            yield _chunk([], tail, [])
+        yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
+            request_id=request_id,
+            prompt_tokens=len(prompt.token_ids),
+            image_tokens=prompt.num_image_tokens,
+            completion_tokens=len(text.token_ids),
+            finish_reason=finish,
+            ttft_s=ttft,
+            e2e_s=time.perf_counter() - start,
+            images=len(prompt.images),
+            images_encoded=num_encoded,
+            seed=sampling.seed,
+        ))
+
+    # ---------------------------------------------------------------- steps
+
+    def _resolve_sampling(self, params: epd_pb2.SamplingParams) -> SamplingConfig:
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else self.config.default_max_tokens
+        if max_tokens > self.config.max_tokens_limit:
+            raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
+        temperature = params.temperature if params.HasField("temperature") else 0.0
+        seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
+        return SamplingConfig(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k if params.HasField("top_k") else 0,
+            seed=seed,
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+        )
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens, longer than the context window of {self.max_model_len} tokens"
+            )
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context window of "
+                f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - prompt_len}"
+            )
+
+    def _ensure_embeddings(self, prompt: Prompt, deadline: float, force: bool) -> int:
+        """Encode the images the store lacks (all of them when ``force``); returns how many ran."""
+        first_index: dict[str, int] = {}
+        for index, image in enumerate(prompt.images):
+            first_index.setdefault(image.store_key, index)
+        keys = list(first_index)
+        present = [False] * len(keys) if force else self.store.exists_many(keys)
+        missing = [key for key, ok in zip(keys, present) if not ok]
+        if not missing:
+            return 0
+        items = [
+            epd_pb2.EncodeItem(store_key=key, data=prompt.images[first_index[key]].data,
+                               max_pixels=prompt.images[first_index[key]].max_pixels)
+            for key in missing
+        ]
+        reply = self._call(self._encoder.Encode, epd_pb2.EncodeRequest(items=items), deadline, "encoder")
+        for key, encoded in zip(missing, reply.images):
+            index = first_index[key]
+            if encoded.error:
+                raise ValueError(f"image {index}: {encoded.error}")
+            if encoded.num_tokens != prompt.images[index].info.num_tokens:
+                raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, f"image {index}: encoder made {encoded.num_tokens} "
+                                     f"tokens, the header promised {prompt.images[index].info.num_tokens}")
+        return len(missing)
+
+    def _prefill_with_retry(self, request_id: str, prompt: Prompt, sampling: SamplingConfig,
+                            deadline: float) -> tuple[epd_pb2.PrefillResponse, int]:
+        job = epd_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=prompt.token_ids,
+            images=request_images_proto(prompt),
+            sampling=epd_pb2.ResolvedSampling(
+                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+            ),
+            deadline_unix=deadline,
+        )
+        try:
+            return self._call(self._prefill.Prefill, job, deadline, "prefill"), 0
+        except rpc.RpcFailure as failure:
+            if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        # An embedding was evicted between our check and prefill's read: encode again, once.
+        encoded = self._ensure_embeddings(prompt, deadline, force=True)
+        return self._call(self._prefill.Prefill, job, deadline, "prefill"), encoded
+
+    def _relay_decode(self, request_id: str, decode_addr: str, text: TextStream, sampling: SamplingConfig,
+                      deadline: float) -> Iterator[epd_pb2.GenerateResponse]:
+        stub = self._decode_stubs.get(decode_addr)
+        if stub is None:
+            stub = self._decode_stubs.setdefault(decode_addr, epd_pb2_grpc.DecodeStub(rpc.channel(decode_addr)))
+        stream = stub.Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=max(0.1, deadline - time.time()))
+        try:
+            for batch in stream:
+                delta = text.add(batch.token_ids)
+                yield _chunk(batch.token_ids, delta, batch.logprobs if sampling.logprobs else [])
+                if text.stopped:
+                    return FinishReason.STOP.value
+                if batch.finish_reason:
+                    return batch.finish_reason
+        except grpc.RpcError as error:
+            raise rpc.RpcFailure.from_rpc_error(error, "decode") from None
+        finally:
+            stream.cancel()  # a stop string or a departed client frees the decode slot now
+        raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+
+    @staticmethod
+    def _call(method, message, deadline: float, hop: str):
+        try:
+            return method(message, timeout=max(0.1, deadline - time.time()))
+        except grpc.RpcError as error:
+            raise rpc.RpcFailure.from_rpc_error(error, hop) from None
+
+
+def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:
+    return epd_pb2.GenerateResponse(chunk=epd_pb2.TokenChunk(token_ids=list(token_ids), text=text, logprobs=list(logprobs)))
+
+
+class RouterServer:
+    """Hosts the Router service in its own process (a Ray actor made by the launcher)."""
+
+    def __init__(self, model_dir: str, redis_url: str, encoder_addr: str, prefill_addr: str,
+                 config: RouterConfig, max_decoded_pixels: int) -> None:
+        info = ModelInfo.load(model_dir)
+        builder = PromptBuilder.load(model_dir, info, max_decoded_pixels)
+        servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), encoder_addr, prefill_addr)
+        self.host = config.host
+        self.server, self.port = rpc.start_server([lambda s: _register(s, servicer)], host=config.host,
+                                                  port=config.port)
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(grace=1).wait()
+
+
+def _register(server, servicer: RouterServicer) -> str:
+    epd_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    return "epd.v1.Router"

@@ -1,0 +1,54 @@
+"""Incremental detokenization with stop strings, for one request's stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas, holding back what may still change.
+
+    Held back: an incomplete UTF-8 character at the end (decoded as U+FFFD) and, when stop strings
+    are set, the last ``len(longest stop) - 1`` characters, which could be the start of a stop.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self._emitted = 0  # characters of the text already returned
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens and return the new text that is now final."""
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = self._find_stop(text)
+        if cut is not None:
+            self.stopped = True
+            return self._advance(text, cut)
+        end = len(text) - self._hold
+        while end > self._emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        return self._advance(text, end)
+
+    def flush(self) -> str:
+        """All text not yet returned (the stream ended)."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._advance(text, len(text))
+
+    def _find_stop(self, text: str) -> int | None:
+        # Only text past what was already emitted minus the hold can hold a new stop string.
+        start = max(0, self._emitted - self._hold)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _advance(self, text: str, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = text[self._emitted : end]
+        self._emitted = end
+        return delta
