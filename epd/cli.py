@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="WARNING")
     serve.set_defaults(func=_cmd_serve)
 
+    demo = sub.add_parser("demo", help="serve a checkpoint, send one image request, compare with transformers")
+    demo.add_argument("--model", required=True)
+    demo.set_defaults(func=_cmd_demo)
+
     gen = sub.add_parser("generate", help="send one request to a running router and stream the answer")
     gen.add_argument("--addr", required=True, help="router HOST:PORT")
     gen.add_argument("--prompt", required=True)
@@ -64,6 +68,12 @@ def _cmd_model_create(args) -> int:
     path = create_checkpoint(args.preset, args.out, seed=args.seed, progress=True)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
+
+
+def _cmd_demo(args) -> int:
+    from epd.demo import run_demo
+
+    return run_demo(args.model)
 
 
 def _cmd_serve(args) -> int:

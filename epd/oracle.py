@@ -1,0 +1,52 @@
+"""The correctness oracle: transformers' own Qwen3_5ForConditionalGeneration.generate.
+
+Inputs are built the way Qwen3VLProcessor builds them (chat template, each <|image_pad|> expanded
+to the image's token count, Qwen2VLImageProcessorPil pixels), independently of epd's router code.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+
+class Oracle:
+    def __init__(self, model_dir: str) -> None:
+        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        self.image_token_id = self.model.config.image_token_id
+
+    def inputs(self, prompt: str, images: list[bytes], max_pixels: int | None = None) -> dict:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        out: dict = {}
+        if images:
+            size = {"shortest_edge": self.processor.size.shortest_edge,
+                    "longest_edge": max_pixels or self.processor.size.longest_edge}
+            pil = [Image.open(io.BytesIO(data)) for data in images]
+            pixels = self.processor(images=pil, return_tensors="pt", size=size)
+            out["pixel_values"], out["image_grid_thw"] = pixels["pixel_values"], pixels["image_grid_thw"]
+            pieces = text.split("<|image_pad|>")
+            counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
+            text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out["input_ids"] = ids
+        out["mm_token_type_ids"] = (ids == self.image_token_id).int()
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompt: str, images: list[bytes] = (), max_new_tokens: int = 32,
+                 max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+        """Greedy tokens, the first token's logits, and the prompt length."""
+        inputs = self.inputs(prompt, list(images), max_pixels)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True)
+        prompt_len = inputs["input_ids"].shape[1]
+        return out.sequences[0, prompt_len:].tolist(), out.logits[0][0].float(), prompt_len

@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny checkpoint, a real `epd serve` stack, and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+READY_PREFIX = "epd ready at "
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from epd.checkpoint import create_checkpoint
+
+    return str(create_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, progress=False))
+
+
+class ServeProcess:
+    """`epd serve` in its own session; remembers every descendant so teardown can prove cleanup."""
+
+    def __init__(self, model_dir: str, *extra: str, log_path: str) -> None:
+        self.log = open(log_path, "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "epd.cli", "serve", "--model", model_dir, *extra],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+        )
+        self.address = self._wait_ready(timeout_s=240)
+        self.descendants = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX):].strip()
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        self.log.seek(0)
+        raise RuntimeError(f"epd serve did not become ready:\n{self.log.read()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> list[psutil.Process]:
+        """Send ``sig``, wait, and return whatever is still alive (should be nothing)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        _, alive = psutil.wait_procs(getattr(self, "descendants", []), timeout=15)
+        for p in alive:  # never leave a process behind, even when the assertion below fails
+            p.kill()
+        self.log.close()
+        return alive
+
+
+@pytest.fixture(scope="session")
+def serve(tiny_model_dir, tmp_path_factory):
+    server = ServeProcess(tiny_model_dir, "--encoders", "2", log_path=str(tmp_path_factory.mktemp("logs") / "serve.log"))
+    yield server
+    assert server.stop() == [], "epd serve left processes behind"
+
+
+@pytest.fixture(scope="session")
+def addr(serve) -> str:
+    return serve.address
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model_dir):
+    from epd.oracle import Oracle
+
+    return Oracle(tiny_model_dir)
