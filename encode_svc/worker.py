@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from epd import checkpoint, imaging
+from epd.tensors import default_device
 from epd.store import Embedding, EmbeddingStore
 
 
@@ -35,7 +36,7 @@ class EncoderWorker:
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.vision = checkpoint.build_vision_model(model_dir)
+        self.vision = checkpoint.build_vision_model(model_dir, device=default_device())
         self.settings = imaging.ImageSettings.from_preprocessor_config(
             os.path.join(model_dir, "preprocessor_config.json"), max_decoded_pixels=max_decoded_pixels
         )
@@ -66,10 +67,10 @@ class EncoderWorker:
     @torch.inference_mode()
     def _run_vision(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """``[num_patches, patch_dim]`` -> merged embeddings ``[num_patches / 4, out_hidden]``."""
-        dtype = next(self.vision.parameters()).dtype
-        grid = torch.tensor([grid_thw], dtype=torch.long)
-        out = self.vision(pixel_values.to(dtype), grid_thw=grid)
-        return out.pooler_output.contiguous()
+        weight = next(self.vision.parameters())
+        grid = torch.tensor([grid_thw], dtype=torch.long, device=weight.device)
+        out = self.vision(pixel_values.to(weight.device, weight.dtype), grid_thw=grid)
+        return out.pooler_output.to("cpu").contiguous()
 
     def stats(self) -> dict[str, int]:
         return {"num_encoded": self.num_encoded, "pid": os.getpid()}

@@ -71,9 +71,11 @@ class TextModelRunner:
         self.layer_types = list(self.model.config.layer_types)
 
     @classmethod
-    def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TextModelRunner:
+    def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None) -> TextModelRunner:
         from epd import checkpoint  # heavy: only a role that serves the LM needs it
+        from epd.tensors import default_device
 
+        device = device or default_device()
         model, lm_head = checkpoint.build_text_model(model_dir, dtype=dtype, device=device)
         return cls(model=model, lm_head_weight=lm_head)
 

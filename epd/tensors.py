@@ -53,5 +53,10 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(tuple(shape))
 
 
+def default_device() -> str:
+    """CUDA when this process sees a GPU, else CPU: the same code serves both."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

@@ -53,7 +53,7 @@ class PrefillEngine:
         with self._lock:
             embeds = self.runner.embed(torch.tensor(token_ids, dtype=torch.long)).clone()
             for span, tensor in zip(spans, image_embeds):
-                embeds[span.start : span.end] = tensor.to(embeds.dtype)
+                embeds[span.start : span.end] = tensor.to(embeds.device, embeds.dtype)
             pos, rope_delta = positions.mrope_positions(len(token_ids), spans)
             state = self.runner.new_state()
             hidden = self.runner.forward(embeds, pos, state)
