@@ -9,6 +9,7 @@ the router claims the stream.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.request import FinishReason, RequestStatus
 from epd.sampling import SamplingConfig, TokenLogprobs, sample
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class TokenEvent:
@@ -86,7 +88,7 @@ class DecodeScheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.state = None
-        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE):
+        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
             request.outbox.put(TokenEvent(token_id=-1, logprobs=None, finish_reason=reason))
 
     def reap(self, now: float) -> None:
@@ -164,7 +166,12 @@ class DecodeEngine:
                 if self._stopped:
                     return
             for request in running:
-                self._step(request)
+                try:
+                    self._step(request)
+                except Exception:  # noqa: BLE001 - one request's failure must not stop the loop
+                    log.exception("decode step failed for %s", request.request_id)
+                    with self._lock:
+                        self.scheduler.finish(request, FinishReason.ERROR)
 
     def _step(self, request: DecodeRequest) -> None:
         state = request.state

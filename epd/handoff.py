@@ -58,6 +58,8 @@ def receive(parts: Iterable[epd_pb2.HandoffChunk], num_layers: int, device: torc
     named: dict[str, torch.Tensor] = {}
     offset = 0
     for spec in header.tensors:
+        if spec.name in named:
+            raise ValueError(f"handoff stream lists tensor {spec.name!r} twice")
         size = _spec_nbytes(spec)
         if offset + size > len(data):
             raise ValueError(f"handoff stream ended inside tensor {spec.name!r}")

@@ -19,3 +19,4 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens
     CANCELLED = "cancelled"  # the client went away, or its handoff lease ran out
     DEADLINE = "deadline"
+    ERROR = "error"  # the role failed this request (logged there); the router reports INTERNAL

@@ -69,7 +69,8 @@ def sample(logits: torch.Tensor, config: SamplingConfig, step: int) -> tuple[int
 
 
 def _sample_random(logits: torch.Tensor, config: SamplingConfig, step: int) -> int:
-    scores = logits / config.temperature
+    # Shift before scaling: a tiny temperature must sharpen towards greedy, not overflow to inf.
+    scores = (logits - logits.max()) / config.temperature
     if config.top_k and config.top_k < scores.numel():
         kth = torch.topk(scores, config.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)

@@ -162,6 +162,10 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
                 yield _chunk(batch.token_ids, delta, batch.logprobs if sampling.logprobs else [])
                 if text.stopped:
                     return FinishReason.STOP.value
+                if batch.finish_reason == FinishReason.ERROR.value:
+                    raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, "decode failed this request (see the decode log)")
+                if batch.finish_reason == FinishReason.DEADLINE.value:
+                    raise rpc.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "request passed its deadline in decode")
                 if batch.finish_reason:
                     return batch.finish_reason
         except grpc.RpcError as error:
