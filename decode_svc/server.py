@@ -65,7 +65,7 @@ def _batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
     )
 
 
-class DecodeServer:
+class DecodeServer(rpc.RoleServer):
     """Hosts the Decode service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", lease_s: float = 30.0,
@@ -78,17 +78,8 @@ class DecodeServer:
         runner = TextModelRunner.load(model_dir, dtype=parse_dtype(dtype))
         self.engine = DecodeEngine(runner, info.eos_token_ids, lease_s)
         servicer = DecodeServicer(self.engine)
-        self.host = host
-        self.server, self.port = rpc.start_server([lambda s: _register(s, servicer)], host=host)
-
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, servicer, "epd.v1.Decode", host)
 
     def stop(self) -> None:
-        self.server.stop(grace=1).wait()
+        super().stop()
         self.engine.stop()
-
-
-def _register(server, servicer: DecodeServicer) -> str:
-    epd_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
-    return "epd.v1.Decode"

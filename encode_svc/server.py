@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import grpc
 import ray
 
 from encode_svc.worker import EncodeResult
@@ -65,9 +66,9 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
             for ref, _ in submitted:
                 results.append(ray.get(ref, timeout=context.time_remaining()))
         except ray.exceptions.GetTimeoutError:
-            raise rpc.RpcFailure(rpc.grpc.StatusCode.DEADLINE_EXCEEDED, "encoder: deadline passed") from None
+            raise rpc.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "encoder: deadline passed") from None
         except ray.exceptions.RayError as error:
-            raise rpc.RpcFailure(rpc.grpc.StatusCode.UNAVAILABLE, f"encoder replica failed: {error}") from None
+            raise rpc.RpcFailure(grpc.StatusCode.UNAVAILABLE, f"encoder replica failed: {error}") from None
         finally:
             for item, (_, index) in zip(request.items, submitted):
                 self.pool.done(item.store_key, index)
@@ -84,23 +85,10 @@ def _to_proto(result: EncodeResult) -> epd_pb2.EncodedImage:
     )
 
 
-class EncodeServer:
+class EncodeServer(rpc.RoleServer):
     """Hosts the Encoder service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, replicas: Sequence[ray.actor.ActorHandle], host: str = "127.0.0.1") -> None:
         ray.get([replica.ready.remote() for replica in replicas])
         servicer = EncoderServicer(ReplicaPool(replicas))
-        self.server, self.port = rpc.start_server(
-            [lambda s: _register(s, servicer)], host=host, port=0
-        )
-
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(grace=1).wait()
-
-
-def _register(server, servicer: EncoderServicer) -> str:
-    epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
-    return "epd.v1.Encoder"
+        self._serve(epd_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder", host)

@@ -1,4 +1,7 @@
-"""The life of one request, as one status every role reports the same way."""
+"""The life of one request on the decode side, and why a request ended (shared by every role).
+
+The router and prefill handle a request within one call, so its phase there is the call's
+progress; decode keeps requests across calls and tracks each one's status explicitly."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import enum
 
 
 class RequestStatus(enum.Enum):
-    WAITING_FOR_EMBEDDINGS = "waiting_for_embeddings"  # router: images being probed, looked up, encoded
-    PREFILLING = "prefilling"  # prefill: splicing embeddings and running the prompt
     HANDED_OFF = "handed_off"  # decode: state received, waiting in the batch or for its claim
     DECODING = "decoding"  # decode: producing tokens
     FINISHED = "finished"  # any role: done, cancelled or failed; its state is freed

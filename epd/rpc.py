@@ -82,15 +82,18 @@ def stream_errors(method: Callable) -> Callable:
 
 
 def start_server(
-    register: Iterable[Callable[[grpc.Server], str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32
+    services: Iterable[tuple[Callable, object, str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32
 ) -> tuple[grpc.Server, int]:
     """Start a server with the given services plus grpc.health.v1; returns it and its bound port.
 
-    Each ``register`` callable adds one servicer and returns its full service name, which the
-    health service then reports as SERVING.
+    ``services`` holds ``(add_XServicer_to_server, servicer, full service name)``; the health
+    service reports each name (and the server as a whole) SERVING once it is started.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
-    names = [add(server) for add in register]
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -100,6 +103,24 @@ def start_server(
     for name in [*names, ""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
+
+
+class RoleServer:
+    """Hosts one role's gRPC service in its own process (the launcher makes it a Ray actor)."""
+
+    host: str
+    port: int
+    server: grpc.Server
+
+    def _serve(self, add: Callable, servicer: object, name: str, host: str, port: int = 0) -> None:
+        self.host = host
+        self.server, self.port = start_server([(add, servicer, name)], host=host, port=port)
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(grace=1).wait()
 
 
 def channel(address: str) -> grpc.Channel:

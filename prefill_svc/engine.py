@@ -17,7 +17,7 @@ import torch
 from epd import handoff, positions, rpc
 from epd.lm import HybridState, TextModelRunner
 from epd.modelinfo import ModelInfo
-from epd.request import FinishReason, RequestStatus
+from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs, logprobs_to_proto, sample, sampling_from_proto
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
@@ -46,9 +46,7 @@ class PrefillEngine:
             raise ValueError("prompt is empty")
         grids = [(ref.merged_height, ref.merged_width) for ref in request.images]
         spans = positions.find_image_spans(token_ids, self.info.image_token_id, grids)
-        status = RequestStatus.WAITING_FOR_EMBEDDINGS
         image_embeds = self._fetch_embeddings(request.images)
-        status = RequestStatus.PREFILLING
         start = time.perf_counter()
         with self._lock:
             embeds = self.runner.embed(torch.tensor(token_ids, dtype=torch.long)).clone()
@@ -59,7 +57,6 @@ class PrefillEngine:
             hidden = self.runner.forward(embeds, pos, state)
             logits = self.runner.logits(hidden)
         token, logprobs = sample(logits, sampling, step=0)
-        del status  # the request leaves this role as HANDED_OFF or FINISHED, reported by the caller
         return PrefillResult(
             first_token=token,
             logprobs=logprobs,
@@ -137,7 +134,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         return reply
 
 
-class PrefillServer:
+class PrefillServer(rpc.RoleServer):
     """Hosts the Prefill service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, model_dir: str, redis_url: str, decode_addr: str, dtype: str = "float32",
@@ -149,16 +146,4 @@ class PrefillServer:
         info = ModelInfo.load(model_dir)
         runner = TextModelRunner.load(model_dir, dtype=parse_dtype(dtype))
         servicer = PrefillServicer(PrefillEngine(runner, info, EmbeddingStore(redis_url)), decode_addr)
-        self.host = host
-        self.server, self.port = rpc.start_server([lambda s: _register(s, servicer)], host=host)
-
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(grace=1).wait()
-
-
-def _register(server, servicer: PrefillServicer) -> str:
-    epd_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    return "epd.v1.Prefill"
+        self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", host)

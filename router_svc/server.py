@@ -186,7 +186,7 @@ def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:
     return epd_pb2.GenerateResponse(chunk=epd_pb2.TokenChunk(token_ids=list(token_ids), text=text, logprobs=list(logprobs)))
 
 
-class RouterServer:
+class RouterServer(rpc.RoleServer):
     """Hosts the Router service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, model_dir: str, redis_url: str, encoder_addr: str, prefill_addr: str,
@@ -194,17 +194,4 @@ class RouterServer:
         info = ModelInfo.load(model_dir)
         builder = PromptBuilder.load(model_dir, info, max_decoded_pixels)
         servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), encoder_addr, prefill_addr)
-        self.host = config.host
-        self.server, self.port = rpc.start_server([lambda s: _register(s, servicer)], host=config.host,
-                                                  port=config.port)
-
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(grace=1).wait()
-
-
-def _register(server, servicer: RouterServicer) -> str:
-    epd_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    return "epd.v1.Router"
+        self._serve(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router", config.host, config.port)
