@@ -55,8 +55,9 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         yield _chunk([reply.first_token], text.add([reply.first_token]),
                      [reply.first_logprobs] if sampling.logprobs else [])
         finish = reply.finish_reason if reply.finished else ""
-        if text.stopped:
+        if text.stopped and not finish:
             finish = FinishReason.STOP.value
+            self._release_decode(request_id, reply.decode_addr)
         if not finish:
             finish = yield from self._relay_decode(request_id, reply.decode_addr, text, sampling, deadline)
         tail = text.flush()
@@ -152,10 +153,9 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
 
     def _relay_decode(self, request_id: str, decode_addr: str, text: TextStream, sampling: SamplingConfig,
                       deadline: float) -> Iterator[epd_pb2.GenerateResponse]:
-        stub = self._decode_stubs.get(decode_addr)
-        if stub is None:
-            stub = self._decode_stubs.setdefault(decode_addr, epd_pb2_grpc.DecodeStub(rpc.channel(decode_addr)))
-        stream = stub.Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=max(0.1, deadline - time.time()))
+        stream = self._decode_stub(decode_addr).Stream(
+            epd_pb2.StreamRequest(request_id=request_id), timeout=max(0.1, deadline - time.time())
+        )
         try:
             for batch in stream:
                 delta = text.add(batch.token_ids)
@@ -173,6 +173,23 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         finally:
             stream.cancel()  # a stop string or a departed client frees the decode slot now
         raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+
+    def _release_decode(self, request_id: str, decode_addr: str) -> None:
+        """Claim and drop a handed-off request the router no longer needs (a stop string in the
+        first token), freeing its decode slot now instead of when its lease runs out."""
+        stream = self._decode_stub(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10)
+        try:
+            next(stream, None)  # the claim has reached decode once anything comes back
+        except grpc.RpcError:
+            pass  # already gone: nothing to free
+        finally:
+            stream.cancel()
+
+    def _decode_stub(self, decode_addr: str) -> epd_pb2_grpc.DecodeStub:
+        stub = self._decode_stubs.get(decode_addr)
+        if stub is None:
+            stub = self._decode_stubs.setdefault(decode_addr, epd_pb2_grpc.DecodeStub(rpc.channel(decode_addr)))
+        return stub
 
     @staticmethod
     def _call(method, message, deadline: float, hop: str):

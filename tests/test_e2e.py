@@ -208,3 +208,15 @@ def test_cli_generate_failure_names_the_status(addr, tmp_path):
     )
     assert out.returncode != 0
     assert out.stderr.startswith("INVALID_ARGUMENT: image 0:")
+
+
+def test_stop_string_in_the_first_token(addr, oracle):
+    full = run(addr, "Begin.", [SQUARE], max_tokens=8, ignore_eos=True)
+    first_text = oracle.tokenizer.decode(full.token_ids[:1], skip_special_tokens=True)
+    if not first_text.strip() or "\ufffd" in first_text:
+        pytest.skip("the first token has no printable text to stop on")
+    cut = run(addr, "Begin.", [SQUARE], max_tokens=8, ignore_eos=True, stop=[first_text])
+    assert cut.summary.finish_reason == "stop"
+    assert cut.text == ""
+    assert cut.token_ids == full.token_ids[:1]
+    assert run(addr, "Still serving?", max_tokens=2).summary.completion_tokens == 2
