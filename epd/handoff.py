@@ -60,7 +60,7 @@ def receive(parts: Iterable[epd_pb2.HandoffChunk], num_layers: int, device: torc
     for spec in header.tensors:
         if spec.name in named:
             raise ValueError(f"handoff stream lists tensor {spec.name!r} twice")
-        size = _spec_nbytes(spec)
+        size = tensors.byte_size(spec.dtype, spec.shape)
         if offset + size > len(data):
             raise ValueError(f"handoff stream ended inside tensor {spec.name!r}")
         named[spec.name] = tensors.from_bytes(memoryview(data)[offset : offset + size], spec.dtype, spec.shape).to(device)
@@ -69,10 +69,3 @@ def receive(parts: Iterable[epd_pb2.HandoffChunk], num_layers: int, device: torc
         raise ValueError(f"handoff stream has {len(data) - offset} bytes past its last tensor")
     state = HybridState.from_named_tensors(num_layers, header.prompt_len, named)
     return Handoff(header=header, state=state)
-
-
-def _spec_nbytes(spec: epd_pb2.TensorSpec) -> int:
-    numel = 1
-    for size in spec.shape:
-        numel *= size
-    return numel * torch.empty((), dtype=tensors.parse_dtype(spec.dtype)).element_size()

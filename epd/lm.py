@@ -71,12 +71,13 @@ class TextModelRunner:
         self.layer_types = list(self.model.config.layer_types)
 
     @classmethod
-    def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None) -> TextModelRunner:
+    def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None) -> TextModelRunner:
+        """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16)."""
         from epd import checkpoint  # heavy: only a role that serves the LM needs it
-        from epd.tensors import default_device
+        from epd.tensors import default_device, parse_dtype
 
         device = device or default_device()
-        model, lm_head = checkpoint.build_text_model(model_dir, dtype=dtype, device=device)
+        model, lm_head = checkpoint.build_text_model(model_dir, dtype=parse_dtype(dtype), device=device)
         return cls(model=model, lm_head_weight=lm_head)
 
     @property

@@ -38,16 +38,21 @@ def to_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    """Rebuild a tensor from ``to_bytes`` output; the length must match ``dtype`` and ``shape``."""
-    torch_dtype = parse_dtype(dtype)
+def byte_size(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes a tensor of ``dtype`` (a name) and ``shape`` takes in ``to_bytes`` form."""
     numel = 1
     for size in shape:
         numel *= int(size)
-    expected = numel * torch.empty((), dtype=torch_dtype).element_size()
+    return numel * torch.empty((), dtype=parse_dtype(dtype)).element_size()
+
+
+def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """Rebuild a tensor from ``to_bytes`` output; the length must match ``dtype`` and ``shape``."""
+    torch_dtype = parse_dtype(dtype)
+    expected = byte_size(dtype, shape)
     if len(data) != expected:
         raise ValueError(f"tensor of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
-    if numel == 0:
+    if expected == 0:
         return torch.empty(tuple(shape), dtype=torch_dtype)
     # bytearray keeps the result writable and owned (frombuffer on bytes would warn and alias).
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(tuple(shape))

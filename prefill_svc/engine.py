@@ -139,11 +139,9 @@ class PrefillServer(rpc.RoleServer):
 
     def __init__(self, model_dir: str, redis_url: str, decode_addr: str, dtype: str = "float32",
                  num_threads: int = 0, host: str = "127.0.0.1") -> None:
-        from epd.tensors import parse_dtype
-
         if num_threads:
             torch.set_num_threads(num_threads)
         info = ModelInfo.load(model_dir)
-        runner = TextModelRunner.load(model_dir, dtype=parse_dtype(dtype))
+        runner = TextModelRunner.load(model_dir, dtype=dtype)
         servicer = PrefillServicer(PrefillEngine(runner, info, EmbeddingStore(redis_url)), decode_addr)
         self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", host)
