@@ -82,6 +82,7 @@ def _to_proto(result: EncodeResult) -> epd_pb2.EncodedImage:
         grid_thw=list(result.grid_thw),
         encode_s=result.encode_s,
         error=result.error,
+        store_write_s=result.store_write_s,
     )
 
 

@@ -27,6 +27,7 @@ class EncodeResult:
     num_tokens: int = 0
     grid_thw: tuple[int, int, int] = (0, 0, 0)
     encode_s: float = 0.0
+    store_write_s: float = 0.0
     error: str = ""
 
 
@@ -55,13 +56,16 @@ class EncoderWorker:
         except imaging.ImageError as error:
             return EncodeResult(store_key=store_key, error=str(error))
         embeds = self._run_vision(pixel_values, grid_thw)
+        written = time.perf_counter()
         self.store.put(store_key, Embedding(tensor=embeds, grid_thw=grid_thw))
         self.num_encoded += 1
+        end = time.perf_counter()
         return EncodeResult(
             store_key=store_key,
             num_tokens=embeds.shape[0],
             grid_thw=grid_thw,
-            encode_s=time.perf_counter() - start,
+            encode_s=end - start,
+            store_write_s=end - written,
         )
 
     @torch.inference_mode()

@@ -31,6 +31,9 @@ class GenerateResult:
             "images": s.images,
             "images_encoded": s.images_encoded,
             "seed": s.seed,
+            "cached_tokens": s.cached_tokens,
+            "images_cached": s.images_cached,
+            "timings": {field.name: getattr(s.timings, field.name) for field in s.timings.DESCRIPTOR.fields},
         }
 
 

@@ -31,6 +31,8 @@ class PrefillResult:
     rope_delta: int
     finish_reason: FinishReason | None
     prefill_s: float
+    store_read_s: float = 0.0
+    queue_s: float = 0.0
 
 
 class PrefillEngine:
@@ -46,9 +48,11 @@ class PrefillEngine:
             raise ValueError("prompt is empty")
         grids = [(ref.merged_height, ref.merged_width) for ref in request.images]
         spans = positions.find_image_spans(token_ids, self.info.image_token_id, grids)
+        read_start = time.perf_counter()
         image_embeds = self._fetch_embeddings(request.images)
-        start = time.perf_counter()
+        queued = time.perf_counter()
         with self._lock:
+            start = time.perf_counter()
             embeds = self.runner.embed(torch.tensor(token_ids, dtype=torch.long)).clone()
             for span, tensor in zip(spans, image_embeds):
                 embeds[span.start : span.end] = tensor.to(embeds.device, embeds.dtype)
@@ -64,6 +68,8 @@ class PrefillEngine:
             rope_delta=rope_delta,
             finish_reason=self._finish_reason(token, sampling),
             prefill_s=time.perf_counter() - start,
+            store_read_s=queued - read_start,
+            queue_s=start - queued,
         )
 
     def _fetch_embeddings(self, images) -> list[torch.Tensor]:
@@ -110,6 +116,8 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             first_token=result.first_token,
             first_logprobs=logprobs_to_proto(result.logprobs),
             prefill_s=result.prefill_s,
+            store_read_s=result.store_read_s,
+            queue_s=result.queue_s,
         )
         if result.finish_reason is not None:
             reply.finished = True

@@ -46,9 +46,13 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         deadline = time.time() + min(self.config.request_timeout_s, context.time_remaining() or float("inf"))
 
-        num_encoded = self._ensure_embeddings(prompt, deadline, force=False)
-        reply, retried = self._prefill_with_retry(request_id, prompt, sampling, deadline)
+        timings = epd_pb2.StageTimings()
+        num_encoded = self._ensure_embeddings(prompt, deadline, force=False, timings=timings)
+        reply, retried = self._prefill_with_retry(request_id, prompt, sampling, deadline, timings)
         num_encoded += retried
+        timings.MergeFrom(epd_pb2.StageTimings(
+            store_read_s=reply.store_read_s, prefill_s=reply.prefill_s, handoff_s=reply.handoff_s,
+            handoff_bytes=reply.handoff_bytes, queue_s=reply.queue_s))
         ttft = time.perf_counter() - start
 
         text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
@@ -74,6 +78,9 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             images=len(prompt.images),
             images_encoded=num_encoded,
             seed=sampling.seed,
+            cached_tokens=reply.cached_tokens,
+            images_cached=max(0, len({image.store_key for image in prompt.images}) - num_encoded),
+            timings=timings,
         ))
 
     # ---------------------------------------------------------------- steps
@@ -105,8 +112,10 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
                 f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - prompt_len}"
             )
 
-    def _ensure_embeddings(self, prompt: Prompt, deadline: float, force: bool) -> int:
-        """Encode the images the store lacks (all of them when ``force``); returns how many ran."""
+    def _ensure_embeddings(self, prompt: Prompt, deadline: float, force: bool,
+                           timings: epd_pb2.StageTimings) -> int:
+        """Encode the images the store lacks (all of them when ``force``); returns how many ran,
+        adding their encode and store-write times to ``timings``."""
         first_index: dict[str, int] = {}
         for index, image in enumerate(prompt.images):
             first_index.setdefault(image.store_key, index)
@@ -128,10 +137,12 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             if encoded.num_tokens != prompt.images[index].info.num_tokens:
                 raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, f"image {index}: encoder made {encoded.num_tokens} "
                                      f"tokens, the header promised {prompt.images[index].info.num_tokens}")
+            timings.encode_s += encoded.encode_s
+            timings.store_write_s += encoded.store_write_s
         return len(missing)
 
     def _prefill_with_retry(self, request_id: str, prompt: Prompt, sampling: SamplingConfig,
-                            deadline: float) -> tuple[epd_pb2.PrefillResponse, int]:
+                            deadline: float, timings: epd_pb2.StageTimings) -> tuple[epd_pb2.PrefillResponse, int]:
         job = epd_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=prompt.token_ids,
@@ -148,7 +159,7 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         # An embedding was evicted between our check and prefill's read: encode again, once.
-        encoded = self._ensure_embeddings(prompt, deadline, force=True)
+        encoded = self._ensure_embeddings(prompt, deadline, force=True, timings=timings)
         return self._call(self._prefill.Prefill, job, deadline, "prefill"), encoded
 
     def _relay_decode(self, request_id: str, decode_addr: str, text: TextStream, sampling: SamplingConfig,

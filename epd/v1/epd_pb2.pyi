@@ -83,7 +83,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed")
+    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,9 @@ class Summary(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     image_tokens: int
@@ -104,7 +107,28 @@ class Summary(_message.Message):
     images: int
     images_encoded: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    images_cached: int
+    timings: StageTimings
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+
+class StageTimings(_message.Message):
+    __slots__ = ("encode_s", "store_write_s", "store_read_s", "prefill_s", "handoff_s", "handoff_bytes", "queue_s")
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_READ_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    encode_s: float
+    store_write_s: float
+    store_read_s: float
+    prefill_s: float
+    handoff_s: float
+    handoff_bytes: int
+    queue_s: float
+    def __init__(self, encode_s: _Optional[float] = ..., store_write_s: _Optional[float] = ..., store_read_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "summary")
@@ -131,18 +155,20 @@ class EncodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
 
 class EncodedImage(_message.Message):
-    __slots__ = ("store_key", "num_tokens", "grid_thw", "encode_s", "error")
+    __slots__ = ("store_key", "num_tokens", "grid_thw", "encode_s", "error", "store_write_s")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORE_WRITE_S_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     encode_s: float
     error: str
-    def __init__(self, store_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., encode_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    store_write_s: float
+    def __init__(self, store_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., encode_s: _Optional[float] = ..., error: _Optional[str] = ..., store_write_s: _Optional[float] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("images",)
@@ -193,7 +219,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes")
+    __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes", "store_read_s", "cached_tokens", "queue_s")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +228,9 @@ class PrefillResponse(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_READ_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprobs: TokenLogprobs
     finished: bool
@@ -210,7 +239,10 @@ class PrefillResponse(_message.Message):
     prefill_s: float
     handoff_s: float
     handoff_bytes: int
-    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_addr: _Optional[str] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ...) -> None: ...
+    store_read_s: float
+    cached_tokens: int
+    queue_s: float
+    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_addr: _Optional[str] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ..., store_read_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
