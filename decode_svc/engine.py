@@ -1,10 +1,12 @@
-"""Decode: one loop that steps every running request and hands tokens to their streams.
+"""Decode: one loop that steps every running request together and hands tokens to their streams.
 
 ``DecodeScheduler`` is bookkeeping only (who is running, whose lease ran out, who finished) and
-is testable without a model. ``DecodeEngine`` owns the runner and the loop thread: each step it
-asks the scheduler which requests run, runs them, samples, and publishes tokens. Requests join
-and leave between steps; the handoff is decoded as soon as it arrives, so tokens are ready when
-the router claims the stream.
+is testable without a model. ``DecodeEngine`` owns the runner, a ``DecodeBatch`` and the loop
+thread. Continuous batching: between two steps, finished requests leave the batch and handed-off
+ones join it (up to ``max_batch_size``; the rest wait their turn, oldest first); each step then
+runs one batched forward for every request in it (``TextModelRunner.decode_step``), samples each
+row with the request's own settings and publishes the tokens. The handoff is decoded as soon as
+it arrives, so tokens are ready when the router claims the stream.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from epd import positions
 from epd.lm import HybridState, TextModelRunner
@@ -102,11 +102,20 @@ class DecodeScheduler:
 
 
 class DecodeEngine:
-    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], lease_s: float) -> None:
+    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], lease_s: float,
+                 max_batch_size: int = 32) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.lease_s = lease_s
+        self.max_batch_size = max_batch_size
         self.scheduler = DecodeScheduler()
+        # Owned by the loop thread: the batch, and which request holds each of its slots.
+        self._batch = runner.new_batch()
+        self._members: list[DecodeRequest] = []
+        self.steps = 0
+        self.batch_sizes_total = 0  # sum of batch sizes over steps: mean batch = this / steps
         self._lock = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
@@ -165,27 +174,65 @@ class DecodeEngine:
                     running = self.scheduler.runnable(time.monotonic())
                 if self._stopped:
                     return
-            for request in running:
-                try:
-                    self._step(request)
-                except Exception:  # noqa: BLE001 - one request's failure must not stop the loop
-                    log.exception("decode step failed for %s", request.request_id)
-                    with self._lock:
+                self._leave_finished()
+                joining = [r for r in running if r.status is RequestStatus.HANDED_OFF]
+            self._join(joining)
+            if not self._members:
+                continue
+            try:
+                self._step()
+            except Exception:  # noqa: BLE001 - a failed step ends its requests, never the loop
+                log.exception("decode step failed for a batch of %d", len(self._members))
+                with self._lock:
+                    for request in self._members:
                         self.scheduler.finish(request, FinishReason.ERROR)
+                    self._leave_finished()
 
-    def _step(self, request: DecodeRequest) -> None:
-        state = request.state
-        if state is None:  # finished (cancelled) since the scheduler picked it
-            return
-        request.status = RequestStatus.DECODING
-        position = positions.decode_position(request.prompt_len, request.num_generated - 1, request.rope_delta)
-        token_tensor = torch.tensor([request.last_token], dtype=torch.long)
-        hidden = self.runner.forward(self.runner.embed(token_tensor), torch.full((3, 1), position), state)
-        token, logprobs = sample(self.runner.logits(hidden), request.sampling, step=request.num_generated)
-        with self._lock:
-            if request.status is RequestStatus.FINISHED:
+    def _leave_finished(self) -> None:
+        """Drop finished requests from the batch (swap-remove keeps slots dense)."""
+        slot = 0
+        while slot < len(self._members):
+            if self._members[slot].status is RequestStatus.FINISHED:
+                moved = self._batch.remove(slot)
+                last = self._members.pop()
+                if moved is not None:
+                    self._members[slot] = last
+                continue
+            slot += 1
+
+    def _join(self, waiting: list[DecodeRequest]) -> None:
+        """Copy handed-off states into free slots, oldest first, up to max_batch_size."""
+        for request in waiting:
+            if len(self._members) >= self.max_batch_size:
                 return
-            reason = self.scheduler.after_token(request, token, self.eos_token_ids)
-            request.outbox.put(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
-            if reason is not None:
-                self.scheduler.finish(request, reason)
+            state = request.state
+            if state is None or request.status is not RequestStatus.HANDED_OFF:
+                continue  # cancelled since the scheduler listed it
+            try:
+                self._batch.add(state)
+            except Exception:  # noqa: BLE001 - a malformed state fails its own request only
+                log.exception("decode could not admit %s", request.request_id)
+                with self._lock:
+                    self.scheduler.finish(request, FinishReason.ERROR)
+                continue
+            request.state = None  # the batch holds it now
+            request.status = RequestStatus.DECODING
+            self._members.append(request)
+
+    def _step(self) -> None:
+        members = list(self._members)
+        tokens = [r.last_token for r in members]
+        positions_ = [positions.decode_position(r.prompt_len, r.num_generated - 1, r.rope_delta) for r in members]
+        logits = self.runner.decode_step(self._batch, tokens, positions_)
+        sampled = [sample(logits[row], r.sampling, step=r.num_generated) for row, r in enumerate(members)]
+        self.steps += 1
+        self.batch_sizes_total += len(members)
+        with self._lock:
+            for request, (token, logprobs) in zip(members, sampled):
+                if request.status is RequestStatus.FINISHED:  # cancelled during the step
+                    continue
+                reason = self.scheduler.after_token(request, token, self.eos_token_ids)
+                request.outbox.put(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
+                if reason is not None:
+                    self.scheduler.finish(request, reason)
+            self._leave_finished()

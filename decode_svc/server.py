@@ -69,12 +69,12 @@ class DecodeServer(rpc.RoleServer):
     """Hosts the Decode service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", lease_s: float = 30.0,
-                 num_threads: int = 0, host: str = "127.0.0.1") -> None:
+                 num_threads: int = 0, host: str = "127.0.0.1", max_batch_size: int = 32) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         info = ModelInfo.load(model_dir)
         runner = TextModelRunner.load(model_dir, dtype=dtype)
-        self.engine = DecodeEngine(runner, info.eos_token_ids, lease_s)
+        self.engine = DecodeEngine(runner, info.eos_token_ids, lease_s, max_batch_size)
         servicer = DecodeServicer(self.engine)
         self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, servicer, "epd.v1.Decode", host)
 

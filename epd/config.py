@@ -69,11 +69,15 @@ class LMConfig:
 class DecodeConfig(LMConfig):
     handoff_lease_s: float = 30.0
     """A handed-off request that no Stream call claims within this many seconds is freed."""
+    max_batch_size: int = 32
+    """Requests decoded together in one step; more wait for a slot (continuous batching)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(0.1 <= self.handoff_lease_s <= 3600, "decode.handoff_lease_s",
                f"must be in [0.1, 3600], got {self.handoff_lease_s}")
+        _check(1 <= self.max_batch_size <= 1024, "decode.max_batch_size",
+               f"must be in [1, 1024], got {self.max_batch_size}")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ the reference ones) but keeps every piece of per-request state in an explicit ``
 that the caller owns: nothing about a request is stored on the shared model object. That is what
 lets prefill run in one process, the state travel as raw tensors, and decode continue in another.
 
+Decode batches: ``DecodeBatch`` keeps many requests' state in shared slot buffers (K/V padded to
+the longest request per full-attention layer; conv and recurrent states stacked per linear layer),
+and ``TextModelRunner.decode_step`` advances every request in it by one token with one pass over
+the weights: projections, MLP and LM head run once for the whole batch.
+
 The runner does not decide anything (which request runs, when state is freed): it only computes.
 """
 
@@ -122,8 +127,190 @@ class TextModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[hidden]`` -> float32 ``[vocab]`` logits."""
+        """``[..., hidden]`` -> float32 ``[..., vocab]`` logits."""
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self)
+
+    @torch.inference_mode()
+    def decode_step(self, batch: DecodeBatch, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Advance every request of ``batch`` (in slot order) by one token.
+
+        ``token_ids[i]`` is slot i's last token and ``positions[i]`` its position (a text token's
+        three M-RoPE components are equal). Returns float32 logits ``[batch, vocab]``.
+        """
+        size = len(batch)
+        if size == 0 or len(token_ids) != size or len(positions) != size:
+            raise ValueError(f"decode_step needs one token and position per slot ({size}), "
+                             f"got {len(token_ids)} and {len(positions)}")
+        batch.reserve(1)
+        device = self.device
+        hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)).unsqueeze(1)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, size, 1).expand(3, size, 1)
+        cos, sin = self.model.rotary_emb(hidden, position_ids)
+        lengths = batch.lengths_tensor()
+        for index, layer in enumerate(self.model.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            if self.layer_types[index] == "linear_attention":
+                hidden = _linear_attention_step(layer.linear_attn, hidden, batch, index)
+            else:
+                hidden = _full_attention_step(layer.self_attn, hidden, cos, sin, batch, index, lengths)
+            hidden = residual + hidden
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        batch.advance()
+        return self.logits(self.model.norm(hidden[:, 0]))
+
+
+class DecodeBatch:
+    """Many requests' decode state in shared buffers, one slot per request, slots 0..len-1 in use.
+
+    Full-attention layers keep ``[capacity, kv_heads, max_len, head_dim]`` K/V buffers; a slot's
+    tokens fill the front of its row and the rest is masked out. Linear-attention layers keep the
+    conv and recurrent states stacked ``[capacity, ...]``, so the active slots are always the
+    leading rows of every buffer (a view, never a copy). Removing a slot moves the last slot into
+    its place. Buffers grow by doubling and are dropped when the batch empties.
+    """
+
+    _LEN_ALIGN = 64
+
+    def __init__(self, runner: TextModelRunner) -> None:
+        self.runner = runner
+        self.lengths: list[int] = []
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        self.conv: list[torch.Tensor | None] = []
+        self.recurrent: list[torch.Tensor | None] = []
+        self._capacity = 0
+        self._max_len = 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def nbytes(self) -> int:
+        tensors = [t for group in (self.keys, self.values, self.conv, self.recurrent) for t in group if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def add(self, state: HybridState) -> int:
+        """Copy ``state`` into a new slot; returns its index."""
+        if not self.lengths:
+            self._allocate(state, capacity=4, max_len=state.num_tokens + self._LEN_ALIGN)
+        slot = len(self.lengths)
+        if slot == self._capacity:
+            self._grow(capacity=self._capacity * 2)
+        if state.num_tokens + 1 > self._max_len:
+            self._grow(max_len=state.num_tokens + self._LEN_ALIGN)
+        for layer in range(self.runner.num_layers):
+            if self.keys[layer] is not None:
+                length = state.keys[layer].shape[2]
+                if length != state.num_tokens:
+                    raise ValueError(f"layer {layer} holds {length} cached tokens, the state says {state.num_tokens}")
+                self.keys[layer][slot, :, :length] = state.keys[layer][0]
+                self.values[layer][slot, :, :length] = state.values[layer][0]
+            else:
+                self.conv[layer][slot] = state.conv[layer][0]
+                self.recurrent[layer][slot] = state.recurrent[layer][0]
+        self.lengths.append(state.num_tokens)
+        return slot
+
+    @torch.inference_mode()
+    def remove(self, slot: int) -> int | None:
+        """Free ``slot``; the last slot moves into it. Returns the moved slot's old index (or None)."""
+        last = len(self.lengths) - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not in use (batch of {last + 1})")
+        moved = None
+        if slot != last:
+            for group in (self.keys, self.values, self.conv, self.recurrent):
+                for tensor in group:
+                    if tensor is not None:
+                        tensor[slot] = tensor[last]
+            self.lengths[slot] = self.lengths[last]
+            moved = last
+        self.lengths.pop()
+        if not self.lengths:
+            self._release()
+        return moved
+
+    @torch.inference_mode()
+    def state_of(self, slot: int) -> HybridState:
+        """A copy of one slot's state as a standalone HybridState (tests and debugging)."""
+        length = self.lengths[slot]
+        state = HybridState.empty(self.runner.num_layers)
+        state.num_tokens = length
+        for layer in range(self.runner.num_layers):
+            if self.keys[layer] is not None:
+                state.keys[layer] = self.keys[layer][slot : slot + 1, :, :length].clone()
+                state.values[layer] = self.values[layer][slot : slot + 1, :, :length].clone()
+            else:
+                state.conv[layer] = self.conv[layer][slot : slot + 1].clone()
+                state.recurrent[layer] = self.recurrent[layer][slot : slot + 1].clone()
+        return state
+
+    # ------------------------------------------------------------ used by decode_step
+
+    @torch.inference_mode()
+    def reserve(self, extra: int) -> None:
+        needed = max(self.lengths) + extra
+        if needed > self._max_len:
+            self._grow(max_len=needed)
+
+    def lengths_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.long, device=self.runner.device)
+
+    def advance(self) -> None:
+        self.lengths = [length + 1 for length in self.lengths]
+
+    # ------------------------------------------------------------ buffers
+
+    def _allocate(self, like: HybridState, capacity: int, max_len: int) -> None:
+        self._capacity, self._max_len = capacity, self._align(max_len)
+        num_layers = self.runner.num_layers
+        self.keys, self.values = [None] * num_layers, [None] * num_layers
+        self.conv, self.recurrent = [None] * num_layers, [None] * num_layers
+        for layer in range(num_layers):
+            if like.keys[layer] is not None:
+                _, heads, _, dim = like.keys[layer].shape
+                self.keys[layer] = like.keys[layer].new_zeros(capacity, heads, self._max_len, dim)
+                self.values[layer] = like.values[layer].new_zeros(capacity, heads, self._max_len, dim)
+            elif like.conv[layer] is not None:
+                self.conv[layer] = like.conv[layer].new_zeros(capacity, *like.conv[layer].shape[1:])
+                # float32 whatever the model dtype, as transformers' recurrent rule keeps it
+                self.recurrent[layer] = like.recurrent[layer].new_zeros(
+                    capacity, *like.recurrent[layer].shape[1:], dtype=torch.float32)
+            else:
+                raise ValueError(f"state has nothing for layer {layer}")
+
+    def _grow(self, capacity: int | None = None, max_len: int | None = None) -> None:
+        new_capacity = max(capacity or 0, self._capacity)
+        new_len = self._max_len
+        if max_len is not None and max_len > self._max_len:
+            new_len = self._align(max(max_len, self._max_len * 2))
+        used = len(self.lengths)
+        for group in (self.keys, self.values):
+            for layer, tensor in enumerate(group):
+                if tensor is not None:
+                    bigger = tensor.new_zeros(new_capacity, tensor.shape[1], new_len, tensor.shape[3])
+                    bigger[:used, :, : self._max_len] = tensor[:used]
+                    group[layer] = bigger
+        if new_capacity != self._capacity:
+            for group in (self.conv, self.recurrent):
+                for layer, tensor in enumerate(group):
+                    if tensor is not None:
+                        bigger = tensor.new_zeros(new_capacity, *tensor.shape[1:])
+                        bigger[:used] = tensor[:used]
+                        group[layer] = bigger
+        self._capacity, self._max_len = new_capacity, new_len
+
+    def _release(self) -> None:
+        self.keys, self.values, self.conv, self.recurrent = [], [], [], []
+        self._capacity = self._max_len = 0
+
+    @classmethod
+    def _align(cls, length: int) -> int:
+        return -(-length // cls._LEN_ALIGN) * cls._LEN_ALIGN
 
 
 def _full_attention(
@@ -197,3 +384,77 @@ def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, state: Hybr
     )
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(batch, length, -1))
+
+
+def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         batch: DecodeBatch, index: int, lengths: torch.Tensor) -> torch.Tensor:
+    """One token per slot: write its K/V at the slot's length, attend over the slot's tokens."""
+    size = x.shape[0]
+    head_dim = attn.head_dim
+    query, gate = torch.chunk(attn.q_proj(x).view(size, 1, -1, head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(size, 1, -1)
+    query = attn.q_norm(query).transpose(1, 2)
+    key = attn.k_norm(attn.k_proj(x).view(size, 1, -1, head_dim)).transpose(1, 2)
+    value = attn.v_proj(x).view(size, 1, -1, head_dim).transpose(1, 2)
+    query, key = qm.apply_rotary_pos_emb(query, key, cos, sin)
+
+    slots = torch.arange(size, device=x.device)
+    keys, values = batch.keys[index], batch.values[index]
+    keys[slots, :, lengths] = key[:, :, 0]
+    values[slots, :, lengths] = value[:, :, 0]
+    longest = max(batch.lengths) + 1
+    mask = None
+    if min(batch.lengths) + 1 != longest:  # ragged: hide each slot's unused tail
+        mask = (torch.arange(longest, device=x.device) <= lengths[:, None]).view(size, 1, 1, longest)
+    out = F.scaled_dot_product_attention(
+        query, keys[:size, :, :longest], values[:size, :, :longest], attn_mask=mask, scale=attn.scaling,
+        enable_gqa=True,
+    )
+    out = out.transpose(1, 2).reshape(size, 1, -1)
+    return attn.o_proj(out * torch.sigmoid(gate))
+
+
+def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: DecodeBatch, index: int) -> torch.Tensor:
+    """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place."""
+    size = x.shape[0]
+    mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, 1]
+    z = gdn.in_proj_z(x).reshape(size, 1, -1, gdn.head_v_dim)
+    beta = gdn.in_proj_b(x).sigmoid()
+    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
+    weight = gdn.conv1d.weight.squeeze(1)
+    mixed = qm.causal_conv1d_update(mixed, batch.conv[index][:size], weight, gdn.conv1d.bias, gdn.activation)
+    mixed = mixed.transpose(1, 2)
+    query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    query = query.reshape(size, 1, -1, gdn.head_k_dim)
+    key = key.reshape(size, 1, -1, gdn.head_k_dim)
+    value = value.reshape(size, 1, -1, gdn.head_v_dim)
+    core = _gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
+    core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+    return gdn.out_proj(core.reshape(size, 1, -1))
+
+
+def _gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """transformers' ``torch_recurrent_gated_delta_rule`` for one token, updating ``state`` in place.
+
+    The same operations in the same order (so the same bits), without allocating a new state:
+    inputs ``[B, 1, heads, dim]``, state ``[B, v_heads, k_dim, v_dim]`` float32.
+    """
+    out_dtype = query.dtype
+    num_k_heads, num_v_heads = key.shape[2], value.shape[2]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, g = [
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value, beta, g)
+    ]
+    query = qm.l2norm(query, dim=-1, eps=1e-6)
+    key = qm.l2norm(key, dim=-1, eps=1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+    q_t, k_t, v_t = query[:, :, 0], key[:, :, 0], value[:, :, 0]
+    state.mul_(g[:, :, 0].exp()[..., None, None])
+    kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
+    delta = (v_t - kv_mem) * beta[:, :, 0].unsqueeze(-1)
+    state.add_(k_t.unsqueeze(-1) * delta.unsqueeze(-2))
+    out = (state * q_t.unsqueeze(-1)).sum(dim=-2)  # [B, v_heads, v_dim]
+    return out.unsqueeze(1).to(out_dtype)  # [B, 1, v_heads, v_dim]

@@ -88,7 +88,8 @@ class LocalStack:
         ]
         encode = ray.remote(EncodeServer).options(**role, name="encode").remote(replicas)
         decode = ray.remote(DecodeServer).options(**role, name="decode").remote(
-            model, cfg.decode.dtype, cfg.decode.handoff_lease_s, cfg.decode.num_threads)
+            model, cfg.decode.dtype, cfg.decode.handoff_lease_s, cfg.decode.num_threads,
+            max_batch_size=cfg.decode.max_batch_size)
         self.actors += [*replicas, encode, decode]
         self.addresses["encode"], self.addresses["decode"] = ray.get([encode.address.remote(), decode.address.remote()],
                                                                      timeout=_READY_TIMEOUT_S)

@@ -1,0 +1,160 @@
+"""Continuous batching in the decode engine, in-process on the tiny checkpoint, against transformers.
+
+Requests of different prompt lengths (text and images) and different max_tokens join a running
+batch at different steps, wait when the batch is full, and leave as they finish; each must still
+produce exactly the tokens transformers' generate gives for it alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decode_svc.engine import DecodeEngine
+from epd import checkpoint, positions
+from epd.lm import TextModelRunner
+from epd.modelinfo import ModelInfo
+from epd.sampling import SamplingConfig
+from epd.synthetic import make_image
+
+CASES = [  # prompt, images, max_new_tokens
+    ("Hello there, tell me a story about a very long road.", [], 24),
+    ("What is in this picture?", [make_image(448, 448, seed=31)], 9),
+    ("Hi", [], 30),
+    ("Compare these.", [make_image(200, 300, seed=32), make_image(320, 160, seed=33)], 14),
+    ("Describe the colours.", [make_image(256, 256, seed=34)], 19),
+]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir) -> TextModelRunner:
+    return TextModelRunner.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def vision(tiny_model_dir):
+    return checkpoint.build_vision_model(tiny_model_dir, device="cpu")
+
+
+def _prefill(runner, vision, oracle, prompt, images):
+    """Prefill the oracle's own inputs the way prefill_svc does: splice vision embeddings, M-RoPE."""
+    inputs = oracle.inputs(prompt, images)
+    ids = inputs["input_ids"][0]
+    embeds = runner.embed(ids).clone()
+    spans = []
+    if images:
+        grids = inputs["image_grid_thw"]
+        merged = [(int(h) // 2, int(w) // 2) for _, h, w in grids.tolist()]
+        spans = positions.find_image_spans(ids.tolist(), oracle.image_token_id, merged)
+        with torch.inference_mode():
+            image_embeds = vision(inputs["pixel_values"], grid_thw=grids).pooler_output
+        offset = 0
+        for span in spans:
+            embeds[span.start : span.start + span.num_tokens] = image_embeds[offset : offset + span.num_tokens]
+            offset += span.num_tokens
+    pos, rope_delta = positions.mrope_positions(len(ids), spans)
+    state = runner.new_state()
+    first = int(runner.logits(runner.forward(embeds, pos, state)).argmax())
+    return len(ids), rope_delta, first, state
+
+
+def _drain(request, timeout_s=120):
+    tokens = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        event = request.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+        if event.token_id >= 0:
+            tokens.append(event.token_id)
+        if event.finish_reason is not None:
+            return tokens, event.finish_reason
+
+
+def test_requests_join_and_leave_a_running_batch_token_identical(runner, vision, oracle, tiny_model_dir):
+    info = ModelInfo.load(tiny_model_dir)
+    expected = [oracle.generate(p, imgs, max_new_tokens=n)[0] for p, imgs, n in CASES]
+    prefilled = [_prefill(runner, vision, oracle, p, imgs) for p, imgs, _ in CASES]
+    assert len({p[0] for p in prefilled}) == len(CASES), "prompts must differ in length"
+    for (_, _, first, _), want in zip(prefilled, expected):
+        assert first == want[0]
+
+    engine = DecodeEngine(runner, info.eos_token_ids, lease_s=60, max_batch_size=3)
+    try:
+        claimed = []
+
+        def submit(index):
+            prompt_len, rope_delta, first, state = prefilled[index]
+            engine.submit(f"r{index}", prompt_len, rope_delta, first, SamplingConfig(max_tokens=CASES[index][2]),
+                          state, deadline_unix=0)
+            claimed.append(engine.claim(f"r{index}"))
+
+        submit(0)
+        submit(1)
+        # Let the first two run a few steps before the others join mid-flight.
+        first_tokens = [claimed[0].outbox.get(timeout=60), claimed[1].outbox.get(timeout=60)]
+        for index in range(2, len(CASES)):
+            submit(index)
+        results = []
+        for index, request in enumerate(claimed):
+            tokens, _ = _drain(request)
+            if index < 2:
+                tokens = [first_tokens[index].token_id] + tokens
+            results.append([prefilled[index][2]] + tokens)
+    finally:
+        engine.stop()
+    assert results == expected
+    decode_tokens = sum(len(tokens) - 1 for tokens in expected)
+    assert engine.steps < decode_tokens, "requests were stepped one by one, not batched"
+    assert engine.batch_sizes_total == decode_tokens
+    assert engine.batch_sizes_total / engine.steps > 1.5
+
+
+def test_batched_step_matches_one_request_steps(runner):
+    """decode_step over ragged slots gives each slot the logits of its own one-request forward."""
+    vocab = runner.lm_head_weight.shape[0]
+    lengths = [3, 40, 17, 66]  # 66 + steps crosses the 64-token buffer alignment: a grow mid-run
+    states, singles, tokens = [], [], []
+    for seed, length in enumerate(lengths):
+        ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+        state = runner.new_state()
+        pos, _ = positions.mrope_positions(length, [])
+        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
+        states.append(state)
+        single = runner.new_state()
+        runner.forward(runner.embed(ids), pos, single)
+        singles.append(single)
+    batch = runner.new_batch()
+    for state in states:
+        batch.add(state)
+    single_tokens = list(tokens)
+    for step in range(70):
+        logits = runner.decode_step(batch, tokens, [n + step for n in lengths])
+        for row, length in enumerate(lengths):
+            hidden = runner.forward(runner.embed(torch.tensor([single_tokens[row]])), torch.full((3, 1), length + step),
+                                    singles[row])
+            reference = runner.logits(hidden)
+            torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)
+            single_tokens[row] = int(reference.argmax())
+        tokens = [int(row.argmax()) for row in logits]
+        assert tokens == single_tokens
+    # The slot's state is the request's own state, wherever it sits in the buffers.
+    moved = batch.remove(0)
+    assert moved == len(lengths) - 1
+    state = batch.state_of(0)  # the last request now lives in slot 0
+    assert state.num_tokens == singles[-1].num_tokens
+    for layer in range(runner.num_layers):
+        for kind in ("keys", "values", "conv", "recurrent"):
+            got, want = getattr(state, kind)[layer], getattr(singles[-1], kind)[layer]
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-4)
+    for _ in range(len(lengths) - 1):
+        batch.remove(0)
+    assert len(batch) == 0 and batch.nbytes() == 0
+
+
+def test_decode_step_rejects_mismatched_inputs(runner):
+    batch = runner.new_batch()
+    with pytest.raises(ValueError, match="one token and position per slot"):
+        runner.decode_step(batch, [], [])
