@@ -3,20 +3,37 @@
 A replica decodes the image bytes, resizes and patches them (the CPU-heavy preprocessing lives
 here so it scales with the replicas, not in the router), runs the ViT with its 2x2 merge and
 writes ``[num_tokens, hidden]`` embeddings to the store under the key the router chose. The
-launcher wraps this class in ``ray.remote``; it knows nothing about gRPC.
+launcher wraps this class in ``ray.remote`` (with ``ACTOR_OPTIONS``); it knows nothing about gRPC.
+
+Batching: the actor takes several ``encode`` calls at once (a threaded actor). Each call
+preprocesses its own image in its own thread, then queues the patches for the one batching
+thread, which concatenates queued images, oldest first, up to a patch budget (like vLLM's
+encoder budget) and runs them through the ViT in one forward (the vision model takes
+concatenated patches with a per-image grid; attention stays within each image). An image larger
+than the budget runs alone, and the queue is first-in first-out, so no image waits behind
+later ones for ever.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from epd import checkpoint, imaging
-from epd.tensors import default_device
 from epd.store import Embedding, EmbeddingStore
+from epd.tensors import default_device, parse_dtype
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH_PATCHES = 16384  # ~20 images of 448x448 (784 patches each) per forward
+STOP = object()  # queued by ``stop``: the batching thread exits when it reaches it
 
 
 @dataclass(frozen=True)
@@ -31,18 +48,38 @@ class EncodeResult:
     error: str = ""
 
 
+@dataclass
+class _Job:
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    done: Future
+
+    @property
+    def num_patches(self) -> int:
+        return self.pixel_values.shape[0]
+
+
 class EncoderWorker:
-    def __init__(
-        self, model_dir: str, redis_url: str, ttl_s: int, max_decoded_pixels: int, num_threads: int = 0
-    ) -> None:
+    # How launchers create the actor: enough concurrent calls for images to queue up and batch.
+    ACTOR_OPTIONS = {"max_concurrency": 64}
+
+    def __init__(self, model_dir: str, redis_url: str, ttl_s: int, max_decoded_pixels: int, num_threads: int = 0,
+                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES, dtype: str = "float32") -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.vision = checkpoint.build_vision_model(model_dir, device=default_device())
+        if max_batch_patches < 1:
+            raise ValueError(f"max_batch_patches must be at least 1, got {max_batch_patches}")
+        self.vision = checkpoint.build_vision_model(model_dir, dtype=parse_dtype(dtype), device=default_device())
         self.settings = imaging.ImageSettings.from_preprocessor_config(
             os.path.join(model_dir, "preprocessor_config.json"), max_decoded_pixels=max_decoded_pixels
         )
         self.store = EmbeddingStore(redis_url, ttl_s=ttl_s)
+        self.max_batch_patches = max_batch_patches
         self.num_encoded = 0
+        self.num_batches = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._batch_loop, name="encode-batcher", daemon=True)
+        self._thread.start()
 
     def ready(self) -> bool:
         return self.store.ping()
@@ -55,10 +92,11 @@ class EncoderWorker:
             pixel_values, grid_thw = imaging.load_pixels(data, settings)
         except imaging.ImageError as error:
             return EncodeResult(store_key=store_key, error=str(error))
-        embeds = self._run_vision(pixel_values, grid_thw)
+        job = _Job(pixel_values, grid_thw, Future())
+        self._queue.put(job)
+        embeds = job.done.result()  # the batch's exception, if it failed, is raised here
         written = time.perf_counter()
         self.store.put(store_key, Embedding(tensor=embeds, grid_thw=grid_thw))
-        self.num_encoded += 1
         end = time.perf_counter()
         return EncodeResult(
             store_key=store_key,
@@ -68,13 +106,57 @@ class EncoderWorker:
             store_write_s=end - written,
         )
 
+    def stop(self) -> None:
+        self._queue.put(STOP)
+        self._thread.join(timeout=10)
+
+    def _batch_loop(self) -> None:
+        carry = None
+        while True:
+            first = carry or self._queue.get()
+            if first is STOP:
+                return
+            batch, carry = next_batch(first, self._queue, self.max_batch_patches)
+            try:
+                outputs = self._run_vision([j.pixel_values for j in batch], [j.grid_thw for j in batch])
+            except Exception as error:  # noqa: BLE001 - fail this batch's calls, keep serving
+                log.exception("vision forward failed for a batch of %d images", len(batch))
+                for j in batch:
+                    j.done.set_exception(error)
+                continue
+            self.num_batches += 1
+            self.num_encoded += len(batch)
+            for j, out in zip(batch, outputs):
+                j.done.set_result(out)
+
     @torch.inference_mode()
-    def _run_vision(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """``[num_patches, patch_dim]`` -> merged embeddings ``[num_patches / 4, out_hidden]``."""
+    def _run_vision(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Images' patches -> each image's merged embeddings ``[num_patches / 4, out_hidden]``, one forward."""
         weight = next(self.vision.parameters())
-        grid = torch.tensor([grid_thw], dtype=torch.long, device=weight.device)
-        out = self.vision(pixel_values.to(weight.device, weight.dtype), grid_thw=grid)
-        return out.pooler_output.to("cpu").contiguous()
+        grid = torch.tensor(grids, dtype=torch.long, device=weight.device)
+        patches = torch.cat(pixel_values).to(weight.device, weight.dtype)
+        out = self.vision(patches, grid_thw=grid).pooler_output.to("cpu")
+        merge = self.vision.spatial_merge_size**2
+        sizes = [t * h * w // merge for t, h, w in grids]
+        return [piece.contiguous() for piece in torch.split(out, sizes)]
 
     def stats(self) -> dict[str, int]:
-        return {"num_encoded": self.num_encoded, "pid": os.getpid()}
+        return {"num_encoded": self.num_encoded, "num_batches": self.num_batches, "pid": os.getpid()}
+
+
+def next_batch(first, waiting: queue.Queue, max_patches: int) -> tuple[list, object | None]:
+    """``first`` plus whatever already waits, oldest first, while the patches fit ``max_patches``.
+
+    Returns the batch and the item that did not fit or STOP (it leads the next batch), or None. ``first``
+    always runs, however large: a huge image gets a forward of its own instead of waiting.
+    """
+    batch, patches = [first], first.num_patches
+    while True:
+        try:
+            item = waiting.get_nowait()
+        except queue.Empty:
+            return batch, None
+        if item is STOP or patches + item.num_patches > max_patches:
+            return batch, item
+        batch.append(item)
+        patches += item.num_patches

@@ -85,7 +85,7 @@ def _cmd_serve(args) -> int:
         config = ServeConfig(
             model_dir=args.model,
             store=StoreConfig(redis_url=args.redis),
-            encode=EncodeConfig(num_replicas=args.encoders),
+            encode=EncodeConfig(num_replicas=args.encoders, dtype=args.dtype),
             prefill=LMConfig(dtype=args.dtype),
             decode=DecodeConfig(dtype=args.dtype),
             router=RouterConfig(host=args.host, port=args.port, max_model_len=args.max_model_len),

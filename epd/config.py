@@ -45,8 +45,15 @@ class EncodeConfig:
     """Ceiling on an image's own pixel count before resizing: a decompression-bomb guard."""
     num_threads: int = 0
     """torch threads per replica; 0 lets each replica use the cores it is given."""
+    max_batch_patches: int = 16384
+    """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs alone)."""
+    dtype: str = "float32"
+    """Weights and activations dtype of the vision tower."""
 
     def __post_init__(self) -> None:
+        _check(1 <= self.max_batch_patches <= 1 << 24, "encode.max_batch_patches",
+               f"must be in [1, 16777216], got {self.max_batch_patches}")
+        _check(self.dtype in DTYPE_CHOICES, "encode.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _check(1 <= self.num_replicas <= 256, "encode.num_replicas", f"must be in [1, 256], got {self.num_replicas}")
         _check(65536 <= self.max_decoded_pixels <= 1 << 31, "encode.max_decoded_pixels",
                f"must be in [65536, 2147483648], got {self.max_decoded_pixels}")

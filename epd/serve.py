@@ -82,8 +82,10 @@ class LocalStack:
         # could not otherwise place five actors); cluster placement is by custom resources.
         role = {"num_cpus": 0}
         replicas = [
-            ray.remote(EncoderWorker).options(**role, max_restarts=3, max_task_retries=1, name=f"encoder-{i}")
-            .remote(model, self.redis_url, cfg.store.ttl_s, cfg.encode.max_decoded_pixels, cfg.encode.num_threads)
+            ray.remote(EncoderWorker).options(**role, **EncoderWorker.ACTOR_OPTIONS, max_restarts=3, max_task_retries=1,
+                                              name=f"encoder-{i}")
+            .remote(model, self.redis_url, cfg.store.ttl_s, cfg.encode.max_decoded_pixels, cfg.encode.num_threads,
+                    max_batch_patches=cfg.encode.max_batch_patches, dtype=cfg.encode.dtype)
             for i in range(cfg.encode.num_replicas)
         ]
         encode = ray.remote(EncodeServer).options(**role, name="encode").remote(replicas)

@@ -1,0 +1,147 @@
+"""``epd bench decode-step``: time one batched decode step against the memory-bandwidth floor.
+
+A decode step reads every weight of the language model once (the LM head included; the token
+embedding only for the batch's rows), so on a CPU its time is bounded below by
+
+    floor = bytes of weights read per step / GEMV bandwidth
+
+where the bandwidth is measured in the same run with one large matrix-vector product in the
+model's dtype (the best this machine streams weights). The report gives each batch size's step
+time, that floor, and the ratios (step / floor, step / batch-1 step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+from tqdm.auto import tqdm
+
+from epd import positions
+from epd.lm import HybridState, TextModelRunner
+
+_PROMPT_TOKENS = 64  # each request's cached context when the steps are timed
+_GEMV_BYTES = 512 * 1024**2
+
+
+def weight_bytes_per_step(runner: TextModelRunner) -> int:
+    """Bytes of weights one decode step reads: everything but the embedding table, plus the LM head."""
+    total = 0
+    for name, param in runner.model.named_parameters():
+        if not name.startswith("embed_tokens."):
+            total += param.numel() * param.element_size()
+    head = runner.lm_head_weight
+    return total + head.numel() * head.element_size()
+
+
+def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -> float:
+    """Bytes per second one large matrix-vector product streams (median of ``repeats``)."""
+    cols = 1024
+    rows = _GEMV_BYTES // (cols * torch.empty((), dtype=dtype).element_size())
+    matrix = torch.randn(rows, cols, dtype=torch.float32, device=device).to(dtype)
+    vector = torch.randn(1, cols, dtype=dtype, device=device)
+    times = []
+    with torch.inference_mode():
+        torch.nn.functional.linear(vector, matrix)  # warm-up
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            torch.nn.functional.linear(vector, matrix)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return matrix.numel() * matrix.element_size() / statistics.median(times)
+
+
+def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, warmup: int = 2) -> float:
+    """Median seconds of one decode step with ``batch_size`` requests of _PROMPT_TOKENS context."""
+    vocab = runner.lm_head_weight.shape[0]
+    ids = torch.randint(0, vocab, (_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    state = runner.new_state()
+    pos, _ = positions.mrope_positions(_PROMPT_TOKENS, [])
+    first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
+    batch = runner.new_batch()
+    for _ in range(batch_size):
+        batch.add(_copy(state))
+    tokens = [first] * batch_size
+    times = []
+    for step in range(warmup + steps):
+        _sync(runner.device)
+        start = time.perf_counter()
+        logits = runner.decode_step(batch, tokens, [_PROMPT_TOKENS + step] * batch_size)
+        tokens = logits.argmax(dim=-1).tolist()
+        _sync(runner.device)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_decode_step_bench(model_dir: str, batch_sizes: list[int], dtype: str = "float32",
+                          json_path: str | None = None) -> dict:
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
+    runner = TextModelRunner.load(model_dir, dtype=dtype)
+    weights = weight_bytes_per_step(runner)
+    bandwidth = gemv_bandwidth(runner.dtype, runner.device)
+    floor_s = weights / bandwidth
+    rows = []
+    for batch_size in tqdm(batch_sizes, desc="decode step", unit="batch size"):
+        rows.append({"batch_size": batch_size, "step_s": time_decode_step(runner, batch_size)})
+    base = next((r["step_s"] for r in rows if r["batch_size"] == 1), None)
+    for row in rows:
+        row["ratio_to_floor"] = row["step_s"] / floor_s
+        row["ratio_to_batch1"] = row["step_s"] / base if base else None
+        row["tokens_per_s"] = row["batch_size"] / row["step_s"]
+    report = {
+        "model": os.path.abspath(model_dir),
+        "dtype": dtype,
+        "device": str(runner.device),
+        "torch_threads": torch.get_num_threads(),
+        "context_tokens": _PROMPT_TOKENS,
+        "weight_bytes_per_step": weights,
+        "gemv_bandwidth_gb_s": bandwidth / 1e9,
+        "floor_s": floor_s,
+        "steps": rows,
+        "machine": machine_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    print(f"weights read per step: {weights / 1e9:.3f} GB; GEMV bandwidth {bandwidth / 1e9:.2f} GB/s; "
+          f"floor {floor_s * 1e3:.1f} ms")
+    print(f"{'batch':>5} {'step ms':>9} {'x floor':>8} {'x b1':>6} {'tok/s':>8}")
+    for row in rows:
+        b1 = f"{row['ratio_to_batch1']:.2f}" if row["ratio_to_batch1"] else "-"
+        print(f"{row['batch_size']:>5} {row['step_s'] * 1e3:>9.1f} {row['ratio_to_floor']:>8.2f} {b1:>6} "
+              f"{row['tokens_per_s']:>8.1f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def machine_info() -> dict:
+    import psutil
+
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+    }
+
+
+def _copy(state: HybridState) -> HybridState:
+    out = HybridState.empty(len(state.keys))
+    out.num_tokens = state.num_tokens
+    for kind in ("keys", "values", "conv", "recurrent"):
+        setattr(out, kind, [None if t is None else t.clone() for t in getattr(state, kind)])
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
