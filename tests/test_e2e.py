@@ -58,12 +58,15 @@ def test_greedy_parity_with_transformers(addr, oracle, prompt, images, max_pixel
 
 
 def test_concurrent_requests_each_match_their_own_run(addr, oracle):
-    cases = [("One.", [SQUARE]), ("Two, a little longer prompt here.", [WIDE]), ("Three", [])]
-    expected = [oracle.generate(p, i, max_new_tokens=16)[0] for p, i in cases]
+    """Requests of different prompt lengths and answer lengths share decode steps (continuous
+    batching: they join and leave the batch at different steps); each matches its own run."""
+    cases = [("One.", [SQUARE], 16), ("Two, a little longer prompt here.", [WIDE], 6), ("Three", [], 24),
+             ("Four: tell me everything you can about these two.", [TALL, SMALL], 11), ("Five", [], 3)]
+    expected = [oracle.generate(p, i, max_new_tokens=n)[0] for p, i, n in cases]
     results: list = [None] * len(cases)
 
     def worker(n):
-        results[n] = run(addr, cases[n][0], cases[n][1], max_tokens=16).token_ids
+        results[n] = run(addr, cases[n][0], cases[n][1], max_tokens=cases[n][2]).token_ids
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(len(cases))]
     for t in threads:
