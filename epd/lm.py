@@ -435,26 +435,27 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
 
 def _gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """transformers' ``torch_recurrent_gated_delta_rule`` for one token, updating ``state`` in place.
+    """One token of the gated delta rule per slot, updating ``state`` in place.
 
-    The same operations in the same order (so the same bits), without allocating a new state:
-    inputs ``[B, 1, heads, dim]``, state ``[B, v_heads, k_dim, v_dim]`` float32.
+    transformers' ``torch_recurrent_gated_delta_rule`` for a single token (same normalisation,
+    decay, delta update and read-out), but with the two contractions and the rank-1 update as
+    batched matrix products: the state is read about six times per step instead of twelve, which
+    matters once a batch holds many requests (each state is heads x 128 x 128 floats per layer).
+    Inputs ``[B, 1, heads, dim]``; state ``[B, v_heads, k_dim, v_dim]`` float32 and contiguous.
     """
     out_dtype = query.dtype
-    num_k_heads, num_v_heads = key.shape[2], value.shape[2]
+    size, _, num_k_heads, k_dim = key.shape
+    num_v_heads, v_dim = value.shape[2], value.shape[3]
     if num_k_heads != num_v_heads:
         query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
         key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, g = [
-        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value, beta, g)
-    ]
-    query = qm.l2norm(query, dim=-1, eps=1e-6)
+    query, key, value = (t[:, 0].float() for t in (query, key, value))  # [B, heads, dim]
+    query = qm.l2norm(query, dim=-1, eps=1e-6) / (k_dim**0.5)
     key = qm.l2norm(key, dim=-1, eps=1e-6)
-    query = query / (query.shape[-1] ** 0.5)
-    q_t, k_t, v_t = query[:, :, 0], key[:, :, 0], value[:, :, 0]
-    state.mul_(g[:, :, 0].exp()[..., None, None])
-    kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
-    delta = (v_t - kv_mem) * beta[:, :, 0].unsqueeze(-1)
-    state.add_(k_t.unsqueeze(-1) * delta.unsqueeze(-2))
-    out = (state * q_t.unsqueeze(-1)).sum(dim=-2)  # [B, v_heads, v_dim]
+    state.mul_(g[:, 0].float().exp()[..., None, None])
+    kv_mem = torch.matmul(key.unsqueeze(-2), state).squeeze(-2)  # [B, heads, v_dim]
+    delta = (value - kv_mem) * beta[:, 0].float().unsqueeze(-1)
+    flat = state.view(size * num_v_heads, k_dim, v_dim)
+    flat.baddbmm_(key.reshape(-1, k_dim, 1), delta.reshape(-1, 1, v_dim))
+    out = torch.matmul(query.unsqueeze(-2), state).squeeze(-2)  # [B, heads, v_dim]
     return out.unsqueeze(1).to(out_dtype)  # [B, 1, v_heads, v_dim]
