@@ -42,8 +42,8 @@ def test_parse_image_sizes():
     assert parse_image_sizes("448x448,1280x720:3") == (ImageSize(448, 448, 1.0), ImageSize(1280, 720, 3.0))
     assert parse_image_sizes(" 64x32:0.5 ") == (ImageSize(64, 32, 0.5),)
     for bad, message in [("448", "expected WIDTHxHEIGHT[:WEIGHT], got '448'"), ("448x", "expected WIDTHxHEIGHT"),
-                         ("axb", "expected WIDTHxHEIGHT"), ("0x10", "at least 1"), ("10x10:0", "weight must be positive"),
-                         ("10x10,", "got ''")]:
+                         ("axb", "expected WIDTHxHEIGHT"), ("0x10", "at least 1"),
+                         ("10x10:0", "weight must be positive"), ("10x10,", "got ''")]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             parse_image_sizes(bad)
 
@@ -146,12 +146,11 @@ def test_stage_ratios_are_medians_over_the_requests_they_apply_to():
     def with_stages(encoded: int, **stages) -> RequestRecord:
         return _record(0.0, [0.1], 1, 0.2, images_encoded=encoded, images_cached=1 - min(encoded, 1), stages=stages)
 
-    records = [
-        with_stages(1, encode_s=1.0, store_write_s=0.1, store_read_s=0.1, prefill_s=1.0, handoff_s=0.5, handoff_bytes=10),
-        with_stages(1, encode_s=2.0, store_write_s=0.2, store_read_s=0.4, prefill_s=2.0, handoff_s=0.2, handoff_bytes=10),
-        with_stages(2, encode_s=1.0, store_write_s=0.5, store_read_s=0.5, prefill_s=1.0, handoff_s=0.3, handoff_bytes=10),
-        with_stages(0, encode_s=0.0, store_read_s=0.3, prefill_s=1.0, handoff_s=0.0, handoff_bytes=0),  # a cache hit
-    ]
+    # encoded, encode, store write, store read, prefill, handoff, handoff bytes
+    rows = [(1, 1.0, 0.1, 0.1, 1.0, 0.5, 10), (1, 2.0, 0.2, 0.4, 2.0, 0.2, 10), (2, 1.0, 0.5, 0.5, 1.0, 0.3, 10),
+            (0, 0.0, 0.0, 0.3, 1.0, 0.0, 0)]  # the last one: a cache hit, and no handoff
+    records = [with_stages(n, encode_s=e, store_write_s=w, store_read_s=r, prefill_s=p, handoff_s=h, handoff_bytes=b)
+               for n, e, w, r, p, h, b in rows]
     figures = stage_figures(records)
     assert figures["store_overhead_ratio"] == pytest.approx(0.3)  # median of 0.2, 0.3, 1.0
     assert figures["handoff_overhead_ratio"] == pytest.approx(0.3)  # median of 0.5, 0.1, 0.3
@@ -269,7 +268,8 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
         report["throughput_tok_s"] / report["baseline"]["throughput_tok_s"])
     assert report["images_encoded"] == 4 and report["store_overhead_ratio"] > 0 and report["handoff_overhead_ratio"] > 0
     # The identical workload: each request's prompt is the same number of tokens in both systems.
-    assert [r["prompt_tokens"] for r in report["requests"]] == [r["prompt_tokens"] for r in report["baseline"]["requests"]]
+    prompt_tokens = [r["prompt_tokens"] for r in report["requests"]]
+    assert prompt_tokens == [r["prompt_tokens"] for r in report["baseline"]["requests"]]
     assert report["config"]["num_requests"] == 4 and report["config"]["image_sizes"] == ["64x64:1", "96x64:1"]
     assert report["config"]["baseline"] == "transformers" and report["config"]["slo_ttft_s"] == 30
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["memory_gib"] > 0

@@ -39,7 +39,8 @@ def user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [*content, {"type": "text", "text": turn.text}]}
 
 
-def run_transformers(model_dir: str, dtype: str, workload: Workload, output_tokens: int) -> tuple[list[RequestRecord], float]:
+def run_transformers(model_dir: str, dtype: str, workload: Workload,
+                     output_tokens: int) -> tuple[list[RequestRecord], float]:
     """Every request's record and the wall time of the whole sequential run."""
     from epd.oracle import Oracle
 

@@ -54,9 +54,12 @@ class LoadRunner:
                 self._request(stub, epd_pb2.GenerateRequest(messages=[user_message(turn)], sampling=self.sampling),
                               RequestRecord(conversation=-1, turn=0))
 
+            lock = threading.Lock()
+
             def on_record(record: RequestRecord) -> None:
-                records.append(record)
-                bar.update(1)
+                with lock:
+                    records.append(record)
+                    bar.update(1)
 
             start = time.perf_counter()
             if self.settings.concurrency is None:

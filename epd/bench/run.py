@@ -15,7 +15,7 @@ import platform
 from dataclasses import dataclass
 
 from epd.bench.load import LoadRunner, LoadSettings
-from epd.bench.metrics import Slo, latency_samples, stage_figures, summarize
+from epd.bench.metrics import LATENCY_KEYS, Slo, latency_samples, stage_figures, summarize
 from epd.bench.workload import ImageSize, PromptMaker, Workload, WorkloadSpec, build_workload
 from epd.config import DTYPE_CHOICES, ConfigError
 
@@ -81,11 +81,13 @@ class BenchConfig:
                f"must be in [0, 64], got {self.images_per_request}")
         _check(self.images_per_request == 0 or bool(self.image_sizes), "image_sizes",
                "--image-sizes is needed when --images-per-request is above 0")
-        _check(1 <= self.prompt_tokens <= 1_000_000, "prompt_tokens", f"must be in [1, 1000000], got {self.prompt_tokens}")
-        _check(1 <= self.output_tokens <= 1_000_000, "output_tokens", f"must be in [1, 1000000], got {self.output_tokens}")
+        for name in ("prompt_tokens", "output_tokens"):
+            value = getattr(self, name)
+            _check(1 <= value <= 1_000_000, name, f"must be in [1, 1000000], got {value}")
         _check(self.concurrency is None or 1 <= self.concurrency <= 4096, "concurrency",
                f"must be in [1, 4096], got {self.concurrency}")
-        _check(self.request_rate is None or self.request_rate > 0, "request_rate", f"must be > 0, got {self.request_rate}")
+        _check(self.request_rate is None or self.request_rate > 0, "request_rate",
+               f"must be > 0, got {self.request_rate}")
         _check(0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio", f"must be in [0, 1], got {self.repeat_ratio}")
         _check(1 <= self.turns <= 1000, "turns", f"must be in [1, 1000], got {self.turns}")
         _check(self.baseline in (None, *BASELINES), "baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
@@ -202,7 +204,7 @@ def format_report(report: dict) -> str:
         lines = [f"{name}: {r['completed']}/{r['num_requests']} ok, {r['failed']} failed, {r['duration_s']:.2f} s, "
                  f"{r['request_throughput']:.2f} req/s, {r['throughput_tok_s']:.1f} tok/s, goodput "
                  f"{r['goodput']:.2f} req/s"]
-        lines += [f"  {key[:-2]:5s} ms mean/p50/p90/p99: {ms(r[key])}" for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s")]
+        lines += [f"  {key[:-2]:5s} ms mean/p50/p90/p99: {ms(r[key])}" for key in LATENCY_KEYS]
         lines += [f"  error: {error}" for error in r["errors"]]
         return lines
 
@@ -213,5 +215,6 @@ def format_report(report: dict) -> str:
                  f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
     if "baseline" in report:
         lines += block("transformers", report["baseline"])
-        lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, TTFT p50 ratio {ratio(report['ttft_ratio'])}")
+        lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "
+                     f"TTFT p50 ratio {ratio(report['ttft_ratio'])}")
     return "\n".join(lines)
