@@ -106,6 +106,8 @@ def _add_bench_parser(sub) -> None:
                        help="local stack and baseline dtype (default float32; needs --model)")
     bench.add_argument("--encoders", type=_positive_int, default=None, metavar="N",
                        help="local stack encoder replicas (default 1; needs --model)")
+    bench.add_argument("--baseline-threads", type=_non_negative_int, default=0, metavar="N",
+                       help="torch threads for the baseline (default 0: torch's default, one per core)")
     bench.add_argument("--timeout", type=_positive_float, default=600.0, metavar="S", help="per-request deadline")
     bench.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
                        help="untimed requests sent to each system before its run (default 1)")
@@ -185,6 +187,8 @@ def _cmd_bench(args) -> int:
 
     if args.addr and (args.dtype or args.encoders):
         args.parser.error("--dtype and --encoders configure the local stack: use them with --model, not --addr")
+    if args.baseline_threads and not args.baseline:
+        args.parser.error("--baseline-threads applies to --baseline transformers")
     if args.baseline and not args.model:
         args.parser.error("--baseline transformers runs on local weights: give --model DIR, not --addr")
     try:
@@ -195,6 +199,7 @@ def _cmd_bench(args) -> int:
             turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
             dtype=args.dtype or "float32", encoders=args.encoders or 1, timeout_s=args.timeout, warmup=args.warmup,
+            baseline_threads=args.baseline_threads,
         )
     except ConfigError as error:
         args.parser.error(str(error))

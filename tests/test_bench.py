@@ -168,6 +168,7 @@ def test_stage_ratios_are_medians_over_the_requests_they_apply_to():
     (["--output-tokens", "0"], "argument --output-tokens: must be at least 1, got 0"),
     (["--baseline", "transformers"], "--baseline transformers runs on local weights: give --model DIR"),
     (["--dtype", "bfloat16"], "--dtype and --encoders configure the local stack"),
+    (["--baseline-threads", "1"], "--baseline-threads applies to --baseline transformers"),
     (["--images-per-request", "2"], "image_sizes: --image-sizes is needed"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
@@ -232,7 +233,7 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     argv = [sys.executable, "-m", "epd.cli", "bench", "--model", tiny_model_dir, "--num-requests", "4",
             "--concurrency", "2", "--image-sizes", "64x64,96x64", "--images-per-request", "1", "--prompt-tokens", "24",
             "--output-tokens", "8", "--baseline", "transformers", "--json", str(out_json), "--plot", str(out_png),
-            "--slo-ttft", "30", "--seed", "11"]
+            "--slo-ttft", "30", "--seed", "11", "--baseline-threads", "1"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: dict[int, psutil.Process] = {}
     names: set[str] = set()
@@ -264,6 +265,7 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     _check_figures(report, 4, 8)
     _check_figures(report["baseline"], 4, 8)
     assert report["speedup_throughput"] > 0 and report["ttft_ratio"] > 0
+    assert report["baseline"]["torch_threads"] == 1
     assert report["speedup_throughput"] == pytest.approx(
         report["throughput_tok_s"] / report["baseline"]["throughput_tok_s"])
     assert report["images_encoded"] == 4 and report["store_overhead_ratio"] > 0 and report["handoff_overhead_ratio"] > 0

@@ -39,11 +39,18 @@ def user_message(turn: Turn) -> dict:
     return {"role": "user", "content": [*content, {"type": "text", "text": turn.text}]}
 
 
-def run_transformers(model_dir: str, dtype: str, workload: Workload,
-                     output_tokens: int) -> tuple[list[RequestRecord], float]:
-    """Every request's record and the wall time of the whole sequential run."""
+def run_transformers(model_dir: str, dtype: str, workload: Workload, output_tokens: int,
+                     num_threads: int = 0) -> tuple[list[RequestRecord], float]:
+    """Every request's record and the wall time of the whole sequential run.
+
+    ``num_threads`` sets torch's intra-op threads for the run (0: torch's default, one per core).
+    """
+    import torch
+
     from epd.oracle import Oracle
 
+    if num_threads:
+        torch.set_num_threads(num_threads)
     oracle = Oracle(model_dir, dtype=dtype)
     for turn in workload.warmup:  # untimed, as for epd
         _request(oracle, [user_message(turn)], output_tokens, RequestRecord(conversation=-1, turn=0))

@@ -15,8 +15,20 @@ import platform
 from dataclasses import dataclass
 
 from epd.bench.load import LoadRunner, LoadSettings
-from epd.bench.metrics import LATENCY_KEYS, Slo, latency_samples, stage_figures, summarize
-from epd.bench.workload import ImageSize, PromptMaker, Workload, WorkloadSpec, build_workload
+from epd.bench.metrics import (
+    LATENCY_KEYS,
+    Slo,
+    latency_samples,
+    stage_figures,
+    summarize,
+)
+from epd.bench.workload import (
+    ImageSize,
+    PromptMaker,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+)
 from epd.config import DTYPE_CHOICES, ConfigError
 
 BASELINES = ("transformers",)
@@ -69,6 +81,8 @@ class BenchConfig:
     """Per-request deadline."""
     warmup: int = 1
     """Untimed requests sent to each system before its run (first-call costs are not measured)."""
+    baseline_threads: int = 0
+    """torch threads of the baseline; 0: torch's default (one per core)."""
 
     def __post_init__(self) -> None:
         _check((self.addr is None) != (self.model_dir is None), "addr/model", "give exactly one of --addr and --model")
@@ -94,6 +108,8 @@ class BenchConfig:
         _check(self.baseline is None or self.model_dir is not None, "baseline",
                "--baseline transformers runs on local weights: give --model DIR (not --addr)")
         _check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _check(0 <= self.baseline_threads <= 1024, "baseline_threads",
+               f"must be in [0, 1024], got {self.baseline_threads}")
         _check(0 <= self.warmup <= 1000, "warmup", f"must be in [0, 1000], got {self.warmup}")
         _check(1 <= self.encoders <= 256, "encoders", f"must be in [1, 256], got {self.encoders}")
         for name in ("slo_ttft_s", "slo_tpot_s", "timeout_s"):
@@ -114,13 +130,16 @@ class BenchConfig:
 
 
 def machine() -> dict:
+    """The machine, and how busy it was (other work on the cores skews every figure)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return {"cpu_count": os.cpu_count(), "memory_gib": round(memory / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(),
+            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 
 
 def run_bench(config: BenchConfig) -> dict:
     """Run everything the config asks for; returns the report (also written to ``json_path``)."""
+    host = machine()  # before the run: the load average of the run itself would say nothing
     prompts = PromptMaker.from_model_dir(config.model_dir) if config.model_dir else PromptMaker()
     workload = build_workload(config.workload_spec(), prompts)
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
@@ -130,13 +149,17 @@ def run_bench(config: BenchConfig) -> dict:
                           "repeated_images": workload.num_repeated_images}
     samples = {"epd": latency_samples(records)}
     if config.baseline == "transformers":
+        import torch
+
         from epd.bench.baseline import run_transformers
 
-        base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload, config.output_tokens)
-        report["baseline"] = {"name": "transformers", **summarize(base_records, base_duration, slo)}
+        base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload, config.output_tokens,
+                                                       config.baseline_threads)
+        report["baseline"] = {"name": "transformers", "torch_threads": torch.get_num_threads(),
+                              **summarize(base_records, base_duration, slo)}
         samples["transformers"] = latency_samples(base_records)
         report.update(_comparison(report, report["baseline"]))
-    report.update({"config": config.to_json(), "machine": machine(),
+    report.update({"config": config.to_json(), "machine": host,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     report["requests"] = report.pop("requests")  # the long per-request list last, for readers of the file
     if config.json_path:
