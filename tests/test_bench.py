@@ -282,8 +282,8 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
 def test_open_loop_with_repeated_images_hits_the_encoder_cache(addr, tmp_path):
     out_json = tmp_path / "rate.json"
     spec = _spec(num_requests=8, images_per_request=2, image_sizes=(ImageSize(80, 64),), prompt_tokens=12,
-                 repeat_ratio=0.5, request_rate=8.0, seed=21)
-    assert cli.main(["bench", "--addr", addr, "--num-requests", "8", "--request-rate", "8", "--image-sizes", "80x64",
+                 repeat_ratio=0.5, request_rate=5.0, seed=21)
+    assert cli.main(["bench", "--addr", addr, "--num-requests", "8", "--request-rate", "5", "--image-sizes", "80x64",
                      "--images-per-request", "2", "--prompt-tokens", "12", "--output-tokens", "4",
                      "--repeat-ratio", "0.5", "--seed", "21", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
