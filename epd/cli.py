@@ -10,8 +10,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `epd bench decode-step` has its own options; `epd bench --addr ...` must not need a subcommand.
+    parser = _decode_step_parser() if argv[:2] == ["bench", "decode-step"] else _parser()
+    args = parser.parse_args(argv[2:] if argv[:2] == ["bench", "decode-step"] else argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -59,7 +61,174 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result as the last line")
     gen.set_defaults(func=_cmd_generate)
+
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="load-test a router (or a local stack) and compare with transformers",
+        description="Send a seeded synthetic workload (images, prompts, multi-turn conversations) to epd and "
+                    "report TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.",
+        epilog="Also: `epd bench decode-step --model DIR --batch-sizes 1,4,16` times the decode step alone "
+               "(see `epd bench decode-step --help`).",
+    )
+    target = bench.add_mutually_exclusive_group(required=True)
+    target.add_argument("--addr", help="a running router's HOST:PORT")
+    target.add_argument("--model", metavar="DIR", help="checkpoint: start a local stack for the run, stop it after")
+    bench.add_argument("--num-requests", type=_positive_int, required=True, metavar="N",
+                       help="requests in all (a conversation of --turns T counts T)")
+    mode = bench.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--concurrency", type=_positive_int, metavar="C", help="closed loop: C conversations in flight")
+    mode.add_argument("--request-rate", type=_positive_float, metavar="R",
+                      help="open loop: R conversations per second, Poisson arrivals")
+    bench.add_argument("--image-sizes", type=_image_sizes, default=(), metavar="WxH[:P],...",
+                       help="image sizes with relative weights P (default 1), e.g. 448x448,1280x720:3")
+    bench.add_argument("--images-per-request", type=_non_negative_int, required=True, metavar="K",
+                       help="images per request (0: text only)")
+    bench.add_argument("--prompt-tokens", type=_positive_int, required=True, metavar="T",
+                       help="about T tokens of text per user turn")
+    bench.add_argument("--output-tokens", type=_positive_int, required=True, metavar="O",
+                       help="exactly O generated tokens per request (greedy, EOS ignored)")
+    bench.add_argument("--repeat-ratio", type=_ratio, default=0.0, metavar="F",
+                       help="probability an image reuses an earlier image's bytes (default 0)")
+    bench.add_argument("--turns", type=_positive_int, default=1, metavar="N",
+                       help="turns per conversation; later turns resend the earlier ones with their answers")
+    bench.add_argument("--seed", type=int, default=0, help="fixes images, prompts, repeats and arrivals")
+    bench.add_argument("--baseline", choices=["transformers"], default=None,
+                       help="also run the workload through transformers' generate (needs --model)")
+    bench.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as one JSON object")
+    bench.add_argument("--plot", dest="plot_path", metavar="PATH", help="write latency CDFs and throughput as a PNG")
+    bench.add_argument("--slo-ttft", type=_positive_float, metavar="S", help="goodput: TTFT at most S seconds")
+    bench.add_argument("--slo-tpot", type=_positive_float, metavar="S", help="goodput: TPOT at most S seconds")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                       help="local stack and baseline dtype (default float32; needs --model)")
+    bench.add_argument("--encoders", type=_positive_int, default=None, metavar="N",
+                       help="local stack encoder replicas (default 1; needs --model)")
+    bench.add_argument("--baseline-threads", type=_non_negative_int, default=0, metavar="N",
+                       help="torch threads for the baseline (default 0: torch's default, one per core)")
+    bench.add_argument("--timeout", type=_positive_float, default=600.0, metavar="S", help="per-request deadline")
+    bench.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+                       help="untimed requests sent to each system before its run (default 1)")
+    bench.set_defaults(func=_cmd_bench, parser=bench)
+
+
+def _decode_step_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd bench decode-step",
+                                     description="Time one decode step of the language model at each batch size.")
+    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, required=True, metavar="B,B,...", help="e.g. 1,4,16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    parser.set_defaults(func=_cmd_bench_decode_step)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _image_sizes(text: str):
+    from epd.bench.workload import parse_image_sizes
+
+    try:
+        return parse_image_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+    return sizes
+
+
+def _cmd_bench(args) -> int:
+    from epd.bench.run import BenchConfig, format_report, run_bench
+    from epd.config import ConfigError
+
+    if args.addr and (args.dtype or args.encoders):
+        args.parser.error("--dtype and --encoders configure the local stack: use them with --model, not --addr")
+    if args.baseline_threads and not args.baseline:
+        args.parser.error("--baseline-threads applies to --baseline transformers")
+    if args.baseline and not args.model:
+        args.parser.error("--baseline transformers runs on local weights: give --model DIR, not --addr")
+    try:
+        config = BenchConfig(
+            addr=args.addr, model_dir=args.model, num_requests=args.num_requests, concurrency=args.concurrency,
+            request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
+            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, repeat_ratio=args.repeat_ratio,
+            turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
+            plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+            dtype=args.dtype or "float32", encoders=args.encoders or 1, timeout_s=args.timeout, warmup=args.warmup,
+            baseline_threads=args.baseline_threads,
+        )
+    except ConfigError as error:
+        args.parser.error(str(error))
+    if args.model:
+        _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
+    try:
+        report = run_bench(config)
+    except KeyboardInterrupt:
+        print("epd bench: interrupted", file=sys.stderr)
+        return 130
+    print(format_report(report))
+    if config.json_path:
+        print(f"wrote {config.json_path}")
+    if config.plot_path:
+        print(f"wrote {config.plot_path}")
+    return 1 if report["failed"] == report["num_requests"] else 0
+
+
+def _cmd_bench_decode_step(args) -> int:
+    try:
+        from epd.decode_step import run_decode_step_bench
+    except ModuleNotFoundError as error:
+        if error.name != "epd.decode_step":
+            raise
+        print("epd bench decode-step: this build has no epd.decode_step module", file=sys.stderr)
+        return 2
+    result = run_decode_step_bench(args.model, args.batch_sizes, args.dtype, args.json_path)
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def _cmd_model_create(args) -> int:

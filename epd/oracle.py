@@ -2,6 +2,7 @@
 
 Inputs are built the way Qwen3VLProcessor builds them (chat template, each <|image_pad|> expanded
 to the image's token count, Qwen2VLImageProcessorPil pixels), independently of epd's router code.
+The benchmark's transformers baseline runs through it too (any dtype, whole conversations).
 """
 
 from __future__ import annotations
@@ -11,28 +12,40 @@ import io
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+from transformers.generation.streamers import BaseStreamer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+# A chat message: {"role": ..., "content": [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
+ChatMessage = dict
 
 
 class Oracle:
-    def __init__(self, model_dir: str) -> None:
-        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.image_token_id = self.model.config.image_token_id
 
     def inputs(self, prompt: str, images: list[bytes], max_pixels: int | None = None) -> dict:
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
+        """One user turn: the images first, then the text."""
+        content = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": prompt}]
+        return self.chat_inputs([{"role": "user", "content": content}], max_pixels)
+
+    def chat_inputs(self, messages: list[ChatMessage], max_pixels: int | None = None) -> dict:
+        """``generate`` keyword arguments for a conversation; images in the order they appear."""
+        images = [part["image"] for m in messages for part in m["content"] if part["type"] == "image"]
+        chat = [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+                for m in messages]
+        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=False)
         out: dict = {}
         if images:
             size = {"shortest_edge": self.processor.size.shortest_edge,
                     "longest_edge": max_pixels or self.processor.size.longest_edge}
             pil = [Image.open(io.BytesIO(data)) for data in images]
             pixels = self.processor(images=pil, return_tensors="pt", size=size)
-            out["pixel_values"], out["image_grid_thw"] = pixels["pixel_values"], pixels["image_grid_thw"]
+            out["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+            out["image_grid_thw"] = pixels["image_grid_thw"]
             pieces = text.split("<|image_pad|>")
             counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
             text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
@@ -50,3 +63,14 @@ class Oracle:
                                   output_logits=True, return_dict_in_generate=True)
         prompt_len = inputs["input_ids"].shape[1]
         return out.sequences[0, prompt_len:].tolist(), out.logits[0][0].float(), prompt_len
+
+    @torch.no_grad()
+    def generate_exact(self, inputs: dict, num_tokens: int, streamer: BaseStreamer | None = None) -> list[int]:
+        """Greedy, exactly ``num_tokens`` new tokens (EOS cannot end it early), optionally streamed."""
+        out = self.model.generate(**inputs, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
+                                  streamer=streamer)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text as the router streams it (special tokens skipped)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

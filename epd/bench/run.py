@@ -1,0 +1,243 @@
+"""``epd bench``: build the workload, run it through epd (a running router, or a local stack this
+starts and stops), optionally through the transformers baseline after it, and report.
+
+The epd phase runs first and its stack is stopped before the baseline loads, so the two never
+compete for the machine, and both figures come from one invocation on one workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+from dataclasses import dataclass
+
+from epd.bench.load import LoadRunner, LoadSettings
+from epd.bench.metrics import (
+    LATENCY_KEYS,
+    Slo,
+    latency_samples,
+    stage_figures,
+    summarize,
+)
+from epd.bench.workload import (
+    ImageSize,
+    PromptMaker,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+)
+from epd.config import DTYPE_CHOICES, ConfigError
+
+BASELINES = ("transformers",)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    num_requests: int
+    """Requests in all (a conversation of --turns turns is that many requests)."""
+    images_per_request: int
+    """New images in each conversation's first turn (later turns resend them); 0: text only."""
+    prompt_tokens: int
+    """About this many tokens of text per user turn."""
+    output_tokens: int
+    """Every request generates exactly this many tokens (greedy, EOS ignored)."""
+    image_sizes: tuple[ImageSize, ...] = ()
+    """Sizes to draw images from, with relative weights."""
+    addr: str | None = None
+    """A running router's HOST:PORT; or None to start a local stack from ``model_dir``."""
+    model_dir: str | None = None
+    """Checkpoint to serve locally (and to run the baseline on)."""
+    concurrency: int | None = None
+    """Closed loop: conversations in flight."""
+    request_rate: float | None = None
+    """Open loop: conversations started per second, Poisson arrivals."""
+    repeat_ratio: float = 0.0
+    """Probability that an image reuses an earlier image's bytes (encoder-cache hits)."""
+    turns: int = 1
+    """Turns per conversation (multi-turn: each resends the earlier turns and answers)."""
+    seed: int = 0
+    """Fixes images, prompts, repeats and arrival times."""
+    baseline: str | None = None
+    """``transformers``: run the same workload through Qwen3_5ForConditionalGeneration.generate."""
+    json_path: str | None = None
+    plot_path: str | None = None
+    slo_ttft_s: float | None = None
+    """Goodput counts requests whose TTFT is at most this (seconds)."""
+    slo_tpot_s: float | None = None
+    """Goodput counts requests whose TPOT is at most this (seconds)."""
+    dtype: str = "float32"
+    """Language-model dtype of the local stack and the baseline."""
+    encoders: int = 1
+    """Encoder replicas of the local stack."""
+    timeout_s: float = 600.0
+    """Per-request deadline."""
+    warmup: int = 1
+    """Untimed requests sent to each system before its run (first-call costs are not measured)."""
+    baseline_threads: int = 0
+    """torch threads of the baseline; 0: torch's default (one per core)."""
+
+    def __post_init__(self) -> None:
+        _check((self.addr is None) != (self.model_dir is None), "addr/model", "give exactly one of --addr and --model")
+        _check((self.concurrency is None) != (self.request_rate is None), "concurrency/request_rate",
+               "give exactly one of --concurrency and --request-rate")
+        _check(self.model_dir is None or os.path.isfile(os.path.join(self.model_dir, "config.json")), "model",
+               f"{self.model_dir!r} is not a checkpoint directory (no config.json)")
+        _check(1 <= self.num_requests <= 1_000_000, "num_requests", f"must be in [1, 1000000], got {self.num_requests}")
+        _check(0 <= self.images_per_request <= 64, "images_per_request",
+               f"must be in [0, 64], got {self.images_per_request}")
+        _check(self.images_per_request == 0 or bool(self.image_sizes), "image_sizes",
+               "--image-sizes is needed when --images-per-request is above 0")
+        for name in ("prompt_tokens", "output_tokens"):
+            value = getattr(self, name)
+            _check(1 <= value <= 1_000_000, name, f"must be in [1, 1000000], got {value}")
+        _check(self.concurrency is None or 1 <= self.concurrency <= 4096, "concurrency",
+               f"must be in [1, 4096], got {self.concurrency}")
+        _check(self.request_rate is None or self.request_rate > 0, "request_rate",
+               f"must be > 0, got {self.request_rate}")
+        _check(0.0 <= self.repeat_ratio <= 1.0, "repeat_ratio", f"must be in [0, 1], got {self.repeat_ratio}")
+        _check(1 <= self.turns <= 1000, "turns", f"must be in [1, 1000], got {self.turns}")
+        _check(self.baseline in (None, *BASELINES), "baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
+        _check(self.baseline is None or self.model_dir is not None, "baseline",
+               "--baseline transformers runs on local weights: give --model DIR (not --addr)")
+        _check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _check(0 <= self.baseline_threads <= 1024, "baseline_threads",
+               f"must be in [0, 1024], got {self.baseline_threads}")
+        _check(0 <= self.warmup <= 1000, "warmup", f"must be in [0, 1000], got {self.warmup}")
+        _check(1 <= self.encoders <= 256, "encoders", f"must be in [1, 256], got {self.encoders}")
+        for name in ("slo_ttft_s", "slo_tpot_s", "timeout_s"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, f"must be > 0, got {value}")
+
+    def workload_spec(self) -> WorkloadSpec:
+        return WorkloadSpec(
+            num_requests=self.num_requests, images_per_request=self.images_per_request, image_sizes=self.image_sizes,
+            prompt_tokens=self.prompt_tokens, repeat_ratio=self.repeat_ratio, turns=self.turns,
+            request_rate=self.request_rate, seed=self.seed, num_warmup=self.warmup,
+        )
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["image_sizes"] = [str(size) for size in self.image_sizes]
+        return out
+
+
+def machine() -> dict:
+    """The machine, and how busy it was (other work on the cores skews every figure)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {"cpu_count": os.cpu_count(), "memory_gib": round(memory / 2**30, 1), "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Run everything the config asks for; returns the report (also written to ``json_path``)."""
+    host = machine()  # before the run: the load average of the run itself would say nothing
+    prompts = PromptMaker.from_model_dir(config.model_dir) if config.model_dir else PromptMaker()
+    workload = build_workload(config.workload_spec(), prompts)
+    slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
+    records, duration = _run_epd(config, workload)
+    report = {**summarize(records, duration, slo), **stage_figures(records)}
+    report["workload"] = {"conversations": len(workload.conversations), "unique_images": workload.num_unique_images,
+                          "repeated_images": workload.num_repeated_images}
+    samples = {"epd": latency_samples(records)}
+    if config.baseline == "transformers":
+        import torch
+
+        from epd.bench.baseline import run_transformers
+
+        base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload, config.output_tokens,
+                                                       config.baseline_threads)
+        report["baseline"] = {"name": "transformers", "torch_threads": torch.get_num_threads(),
+                              **summarize(base_records, base_duration, slo)}
+        samples["transformers"] = latency_samples(base_records)
+        report.update(_comparison(report, report["baseline"]))
+    report.update({"config": config.to_json(), "machine": host,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    report["requests"] = report.pop("requests")  # the long per-request list last, for readers of the file
+    if config.json_path:
+        _write_json(config.json_path, report)
+    if config.plot_path:
+        _write_plot(config, report, samples)
+    return report
+
+
+def _run_epd(config: BenchConfig, workload: Workload):
+    settings = LoadSettings(output_tokens=config.output_tokens, concurrency=config.concurrency,
+                            timeout_s=config.timeout_s)
+    if config.addr:
+        return LoadRunner(config.addr, settings).run(workload)
+    from epd.config import DecodeConfig, EncodeConfig, LMConfig, ServeConfig
+    from epd.serve import LocalStack
+
+    stack = LocalStack(ServeConfig(
+        model_dir=config.model_dir, encode=EncodeConfig(num_replicas=config.encoders),
+        prefill=LMConfig(dtype=config.dtype), decode=DecodeConfig(dtype=config.dtype),
+    ))
+    try:
+        return LoadRunner(stack.start(), settings).run(workload)
+    finally:
+        stack.stop()
+
+
+def _comparison(epd: dict, baseline: dict) -> dict:
+    base_tok_s, base_ttft = baseline["throughput_tok_s"], baseline["ttft_s"]["p50"]
+    return {
+        "speedup_throughput": epd["throughput_tok_s"] / base_tok_s if base_tok_s else None,
+        "ttft_ratio": epd["ttft_s"]["p50"] / base_ttft if base_ttft and epd["ttft_s"]["p50"] is not None else None,
+    }
+
+
+def _write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def _write_plot(config: BenchConfig, report: dict, samples: dict) -> None:
+    from epd.bench.plot import write_plot
+
+    systems = {"epd": report, **({"transformers": report["baseline"]} if "baseline" in report else {})}
+    sizes = ",".join(f"{s.width}x{s.height}" for s in config.image_sizes) or "none"
+    mode = f"concurrency {config.concurrency}" if config.concurrency else f"{config.request_rate:g} req/s"
+    title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}, "
+             f"{config.prompt_tokens} prompt / {config.output_tokens} output tokens, {config.turns} turn(s), "
+             f"{config.dtype}")
+    os.makedirs(os.path.dirname(os.path.abspath(config.plot_path)), exist_ok=True)
+    write_plot(config.plot_path, samples, {name: r["throughput_tok_s"] for name, r in systems.items()},
+               {name: r["request_throughput"] for name, r in systems.items()}, title)
+
+
+def format_report(report: dict) -> str:
+    """The report as a few readable lines for the terminal."""
+    def ms(figures: dict) -> str:
+        if figures["p50"] is None:
+            return "n/a"
+        return " / ".join(f"{figures[k] * 1000:.1f}" for k in ("mean", "p50", "p90", "p99"))
+
+    def block(name: str, r: dict) -> list[str]:
+        lines = [f"{name}: {r['completed']}/{r['num_requests']} ok, {r['failed']} failed, {r['duration_s']:.2f} s, "
+                 f"{r['request_throughput']:.2f} req/s, {r['throughput_tok_s']:.1f} tok/s, goodput "
+                 f"{r['goodput']:.2f} req/s"]
+        lines += [f"  {key[:-2]:5s} ms mean/p50/p90/p99: {ms(r[key])}" for key in LATENCY_KEYS]
+        lines += [f"  error: {error}" for error in r["errors"]]
+        return lines
+
+    lines = block("epd", report)
+    ratio = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
+                 f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
+                 f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
+    if "baseline" in report:
+        lines += block("transformers", report["baseline"])
+        lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "
+                     f"TTFT p50 ratio {ratio(report['ttft_ratio'])}")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""`epd bench`: the pure pieces (percentiles, image sizes, seeded workloads, request metrics) and
+real runs: a local stack plus the transformers baseline in a subprocess (the CI smoke bench),
+open-loop and multi-turn runs against the shared `epd serve`, and argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from epd import cli
+from epd.bench.metrics import RequestRecord, Slo, percentiles, stage_figures, summarize
+from epd.bench.workload import (
+    ImageSize,
+    PromptMaker,
+    WorkloadSpec,
+    arrival_times,
+    build_workload,
+    parse_image_sizes,
+    turns_per_conversation,
+)
+
+LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_percentiles_interpolate_between_samples():
+    figures = percentiles([float(v) for v in range(1, 101)])
+    assert figures == pytest.approx({"mean": 50.5, "p50": 50.5, "p90": 90.1, "p99": 99.01})
+    assert percentiles([0.25]) == {"mean": 0.25, "p50": 0.25, "p90": 0.25, "p99": 0.25}
+    assert percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_parse_image_sizes():
+    assert parse_image_sizes("448x448,1280x720:3") == (ImageSize(448, 448, 1.0), ImageSize(1280, 720, 3.0))
+    assert parse_image_sizes(" 64x32:0.5 ") == (ImageSize(64, 32, 0.5),)
+    for bad, message in [("448", "expected WIDTHxHEIGHT[:WEIGHT], got '448'"), ("448x", "expected WIDTHxHEIGHT"),
+                         ("axb", "expected WIDTHxHEIGHT"), ("0x10", "at least 1"),
+                         ("10x10:0", "weight must be positive"), ("10x10,", "got ''")]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            parse_image_sizes(bad)
+
+
+def _spec(**overrides) -> WorkloadSpec:
+    fields = dict(num_requests=12, images_per_request=2, image_sizes=(ImageSize(64, 64), ImageSize(96, 64, 3.0)),
+                  prompt_tokens=20, repeat_ratio=0.3, turns=1, request_rate=None, seed=7)
+    fields.update(overrides)
+    return WorkloadSpec(**fields)
+
+
+def test_workload_is_reproducible_by_seed():
+    first, again = build_workload(_spec(), PromptMaker()), build_workload(_spec(), PromptMaker())
+    assert first == again  # texts, image bytes, sizes, arrivals
+    other = build_workload(_spec(seed=8), PromptMaker())
+    assert [c.turns[0].text for c in other.conversations] != [c.turns[0].text for c in first.conversations]
+    images = [image for c in first.conversations for image in c.turns[0].images]
+    assert len(images) == 24 and first.num_unique_images + first.num_repeated_images == 24
+    assert {(i.width, i.height) for i in images} <= {(64, 64), (96, 64)}
+    # An image's index names its bytes: a repeat is the same bytes, a new image never is.
+    by_index = {}
+    for image in images:
+        assert by_index.setdefault(image.index, image.data) == image.data
+    assert len(set(by_index.values())) == first.num_unique_images
+
+
+def test_repeat_ratio_bounds():
+    none = build_workload(_spec(repeat_ratio=0.0), PromptMaker())
+    assert none.num_repeated_images == 0 and none.num_unique_images == 24
+    every = build_workload(_spec(repeat_ratio=1.0), PromptMaker())
+    assert every.num_unique_images == 1 and every.num_repeated_images == 23
+    text_only = build_workload(_spec(images_per_request=0, image_sizes=()), PromptMaker())
+    assert all(c.turns[0].images == () for c in text_only.conversations)
+
+
+def test_conversations_split_the_requests():
+    assert turns_per_conversation(5, 2) == [2, 2, 1]
+    assert turns_per_conversation(6, 3) == [3, 3]
+    workload = build_workload(_spec(num_requests=7, turns=3), PromptMaker())
+    assert [len(c.turns) for c in workload.conversations] == [3, 3, 1]
+    for conversation in workload.conversations:  # new images only in the first turn
+        assert len(conversation.turns[0].images) == 2
+        assert all(turn.images == () for turn in conversation.turns[1:])
+
+
+def test_poisson_arrivals():
+    times = arrival_times(4000, 20.0, seed=3)
+    assert times == arrival_times(4000, 20.0, seed=3)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert all(gap > 0 for gap in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
+    # Exponential gaps: the standard deviation equals the mean.
+    mean = sum(gaps) / len(gaps)
+    assert (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 == pytest.approx(mean, rel=0.1)
+    assert arrival_times(3, None, seed=3) == [0.0, 0.0, 0.0]
+
+
+def test_prompt_fits_the_token_count(tiny_model_dir):
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    maker = PromptMaker.from_model_dir(tiny_model_dir)
+    for target in (1, 17, 200):
+        text = maker.make(random.Random(target), target)
+        count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert target - 5 <= count <= target, (target, count)
+    assert len(PromptMaker().make(random.Random(0), 30).split()) == 30
+
+
+def _record(sent: float, token_times: list[float], tokens: int, done: float, **fields) -> RequestRecord:
+    return RequestRecord(conversation=0, turn=0, sent_s=sent, token_times_s=token_times, output_tokens=tokens,
+                         done_s=done, **fields)
+
+
+def test_request_metrics_and_goodput():
+    fast = _record(10.0, [10.1, 10.2, 10.4], 5, 10.5)  # the last chunk carries three tokens
+    assert fast.ttft_s == pytest.approx(0.1)
+    assert fast.itl_s == pytest.approx([0.1, 0.2])
+    assert fast.e2e_s == pytest.approx(0.5)
+    assert fast.tpot_s == pytest.approx(0.4 / 4)
+    slow = _record(0.0, [2.0, 3.0], 2, 3.0)
+    one_token = _record(0.0, [0.05], 1, 0.05)
+    assert one_token.tpot_s is None and one_token.itl_s == []
+    failed = _record(0.0, [], 0, 1.0, error="UNAVAILABLE: gone")
+
+    figures = summarize([fast, slow, one_token, failed], duration_s=4.0, slo=Slo(ttft_s=0.5, tpot_s=0.5))
+    assert (figures["num_requests"], figures["completed"], figures["failed"]) == (4, 3, 1)
+    assert figures["errors"] == ["conversation 0 turn 0: UNAVAILABLE: gone"]
+    assert figures["output_tokens_total"] == 8
+    assert figures["throughput_tok_s"] == pytest.approx(2.0)
+    assert figures["request_throughput"] == pytest.approx(0.75)
+    assert figures["goodput"] == pytest.approx(2 / 4.0)  # fast and one_token meet both SLOs, slow misses TTFT
+    assert figures["ttft_s"]["p50"] == pytest.approx(0.1)
+    assert summarize([fast, slow], 4.0, Slo())["goodput"] == pytest.approx(0.5)  # no SLO: every success counts
+
+
+def test_stage_ratios_are_medians_over_the_requests_they_apply_to():
+    def with_stages(encoded: int, **stages) -> RequestRecord:
+        return _record(0.0, [0.1], 1, 0.2, images_encoded=encoded, images_cached=1 - min(encoded, 1), stages=stages)
+
+    # encoded, encode, store write, store read, prefill, handoff, handoff bytes
+    rows = [(1, 1.0, 0.1, 0.1, 1.0, 0.5, 10), (1, 2.0, 0.2, 0.4, 2.0, 0.2, 10), (2, 1.0, 0.5, 0.5, 1.0, 0.3, 10),
+            (0, 0.0, 0.0, 0.3, 1.0, 0.0, 0)]  # the last one: a cache hit, and no handoff
+    records = [with_stages(n, encode_s=e, store_write_s=w, store_read_s=r, prefill_s=p, handoff_s=h, handoff_bytes=b)
+               for n, e, w, r, p, h, b in rows]
+    figures = stage_figures(records)
+    assert figures["store_overhead_ratio"] == pytest.approx(0.3)  # median of 0.2, 0.3, 1.0
+    assert figures["handoff_overhead_ratio"] == pytest.approx(0.3)  # median of 0.5, 0.1, 0.3
+    assert (figures["images_encoded"], figures["images_cached"]) == (4, 1)
+    assert stage_figures([with_stages(0, prefill_s=1.0)])["store_overhead_ratio"] is None
+
+
+# ---------------------------------------------------------------- argument errors
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--image-sizes", "448"], "argument --image-sizes: expected WIDTHxHEIGHT[:WEIGHT], got '448'"),
+    (["--request-rate", "2"], "argument --request-rate: not allowed with argument --concurrency"),
+    (["--repeat-ratio", "1.5"], "argument --repeat-ratio: must be in [0, 1], got 1.5"),
+    (["--output-tokens", "0"], "argument --output-tokens: must be at least 1, got 0"),
+    (["--baseline", "transformers"], "--baseline transformers runs on local weights: give --model DIR"),
+    (["--dtype", "bfloat16"], "--dtype and --encoders configure the local stack"),
+    (["--baseline-threads", "1"], "--baseline-threads applies to --baseline transformers"),
+    (["--images-per-request", "2"], "image_sizes: --image-sizes is needed"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    base = {"--addr": "127.0.0.1:1", "--num-requests": "2", "--concurrency": "1", "--images-per-request": "0",
+            "--prompt-tokens": "4", "--output-tokens": "2"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *[item for pair in base.items() for item in pair]])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_mode_and_missing_model(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--addr", "h:1", "--num-requests", "1", "--images-per-request", "0",
+                  "--prompt-tokens", "4", "--output-tokens", "2"])
+    assert exit_info.value.code == 2
+    assert "one of the arguments --concurrency --request-rate is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--model", str(tmp_path), "--num-requests", "1", "--concurrency", "1",
+                  "--images-per-request", "0", "--prompt-tokens", "4", "--output-tokens", "2"])
+    assert exit_info.value.code == 2
+    assert "is not a checkpoint directory (no config.json)" in capsys.readouterr().err
+
+
+def test_help_and_decode_step_wiring(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--request-rate" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "decode-step", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: epd bench decode-step" in out and "--batch-sizes" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "decode-step", "--model", "m", "--batch-sizes", "1,x"])
+    assert exit_info.value.code == 2
+    assert "expected comma-separated integers like 1,4,16, got '1,x'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def _check_figures(figures: dict, num_requests: int, output_tokens: int) -> None:
+    assert figures["failed"] == 0, figures["errors"]
+    assert figures["num_requests"] == num_requests
+    assert figures["output_tokens_total"] == num_requests * output_tokens
+    assert figures["duration_s"] > 0 and figures["throughput_tok_s"] > 0 and figures["request_throughput"] > 0
+    for key in LATENCIES:
+        p = figures[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    assert figures["tpot_s"]["p50"] <= figures["e2e_s"]["p50"]
+    assert all(r["output_tokens"] == output_tokens for r in figures["requests"])
+
+
+def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_path):
+    """The CI smoke bench: its own stack, the baseline after it, JSON and PNG, no process left."""
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = [sys.executable, "-m", "epd.cli", "bench", "--model", tiny_model_dir, "--num-requests", "4",
+            "--concurrency", "2", "--image-sizes", "64x64,96x64", "--images-per-request", "1", "--prompt-tokens", "24",
+            "--output-tokens", "8", "--baseline", "transformers", "--json", str(out_json), "--plot", str(out_png),
+            "--slo-ttft", "30", "--seed", "11", "--baseline-threads", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+    names: set[str] = set()
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:  # every descendant it ever had: Ray, the roles, the embedded redis-server
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(p.pid, p)
+                names.add(p.name())
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    stdout, stderr = proc.communicate()
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=20)
+    for p in alive:
+        p.kill()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert alive == [], f"epd bench left processes behind: {alive}"
+    assert any("redis-server" in n for n in names) and any("raylet" in n for n in names), names  # a real stack ran
+
+    report = json.loads(out_json.read_text())
+    for key in ("throughput_tok_s", "request_throughput", "ttft_s", "tpot_s", "itl_s", "e2e_s", "num_requests",
+                "failed", "output_tokens_total", "duration_s", "goodput", "store_overhead_ratio",
+                "handoff_overhead_ratio", "cached_tokens", "images_encoded", "images_cached", "config", "machine",
+                "date", "baseline", "speedup_throughput", "ttft_ratio"):
+        assert key in report, key
+    _check_figures(report, 4, 8)
+    _check_figures(report["baseline"], 4, 8)
+    assert report["speedup_throughput"] > 0 and report["ttft_ratio"] > 0
+    assert report["baseline"]["torch_threads"] == 1
+    assert report["speedup_throughput"] == pytest.approx(
+        report["throughput_tok_s"] / report["baseline"]["throughput_tok_s"])
+    assert report["images_encoded"] == 4 and report["store_overhead_ratio"] > 0 and report["handoff_overhead_ratio"] > 0
+    # The identical workload: each request's prompt is the same number of tokens in both systems.
+    prompt_tokens = [r["prompt_tokens"] for r in report["requests"]]
+    assert prompt_tokens == [r["prompt_tokens"] for r in report["baseline"]["requests"]]
+    assert report["config"]["num_requests"] == 4 and report["config"]["image_sizes"] == ["64x64:1", "96x64:1"]
+    assert report["config"]["baseline"] == "transformers" and report["config"]["slo_ttft_s"] == 30
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["memory_gib"] > 0
+    assert "speedup (tok/s)" in stdout
+    assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_open_loop_with_repeated_images_hits_the_encoder_cache(addr, tmp_path):
+    out_json = tmp_path / "rate.json"
+    spec = _spec(num_requests=8, images_per_request=2, image_sizes=(ImageSize(80, 64),), prompt_tokens=12,
+                 repeat_ratio=0.5, request_rate=5.0, seed=21)
+    assert cli.main(["bench", "--addr", addr, "--num-requests", "8", "--request-rate", "5", "--image-sizes", "80x64",
+                     "--images-per-request", "2", "--prompt-tokens", "12", "--output-tokens", "4",
+                     "--repeat-ratio", "0.5", "--seed", "21", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    _check_figures(report, 8, 4)
+    workload = build_workload(spec, PromptMaker())  # what the run sent: the same seed, the same images
+    assert report["workload"]["repeated_images"] == workload.num_repeated_images > 0
+    assert report["images_cached"] > 0
+    # Every distinct image of a request was either encoded for it or found in the store.
+    distinct = sum(len({image.index for image in c.turns[0].images}) for c in workload.conversations)
+    assert report["images_encoded"] + report["images_cached"] == distinct
+    assert report["images_encoded"] >= workload.num_unique_images
+    assert report["duration_s"] >= workload.conversations[-1].arrival_s  # Poisson arrivals were honoured
+
+
+def test_multi_turn_resends_history(addr, tmp_path):
+    out_json = tmp_path / "turns.json"
+    assert cli.main(["bench", "--addr", addr, "--num-requests", "5", "--turns", "3", "--concurrency", "2",
+                     "--image-sizes", "64x96", "--images-per-request", "1", "--prompt-tokens", "10",
+                     "--output-tokens", "4", "--seed", "31", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    _check_figures(report, 5, 4)
+    by_conversation: dict[int, list[dict]] = {}
+    for row in report["requests"]:
+        by_conversation.setdefault(row["conversation"], []).append(row)
+    assert [len(rows) for _, rows in sorted(by_conversation.items())] == [3, 2]
+    for rows in by_conversation.values():
+        assert rows[0]["images_encoded"] == 1
+        for before, after in zip(rows, rows[1:]):
+            # Turn t+1 carries turn t's prompt, its answer and 10 new words (at least a token each) ...
+            assert after["prompt_tokens"] > before["prompt_tokens"] + 10
+            # ... and the first turn's image again, now served from the store.
+            assert (after["images_encoded"], after["images_cached"]) == (0, 1)
