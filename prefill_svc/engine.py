@@ -67,6 +67,7 @@ class PrefillJob:
     block_hashes: list[bytes]
     rope_delta: int
     deadline_unix: float
+    store_read_s: float = 0.0  # the embedding reads (LRU, then Redis)
     status: JobStatus = JobStatus.WAITING_FOR_EMBEDDINGS
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -101,9 +102,7 @@ class PrefillEngine:
     # ------------------------------------------------------------ request threads
 
     def run(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
-        read_start = time.perf_counter()
         job = self._prepare(request)
-        read_s = time.perf_counter() - read_start
         with self._wake:
             job.status, job.queued_at = JobStatus.PREFILLING, time.perf_counter()
             self._jobs[job.progress] = job
@@ -120,7 +119,7 @@ class PrefillEngine:
             rope_delta=job.rope_delta,
             finish_reason=self._finish_reason(token, sampling),
             prefill_s=job.finished_at - job.started_at,
-            store_read_s=read_s,
+            store_read_s=job.store_read_s,
             queue_s=job.started_at - job.queued_at,
             cached_tokens=job.cached_tokens,
         )
@@ -136,7 +135,9 @@ class PrefillEngine:
         hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
         needed = [index for index, span in enumerate(spans) if span.end > cached]
+        read_start = time.perf_counter()
         image_embeds = self._fetch_embeddings(request.images, needed)
+        read_s = time.perf_counter() - read_start
         embeds = self.runner.embed(torch.tensor(token_ids[cached:], dtype=torch.long)).clone()
         for index in needed:
             span, start = spans[index], max(spans[index].start, cached)
@@ -153,6 +154,7 @@ class PrefillEngine:
             block_hashes=hashes,
             rope_delta=rope_delta,
             deadline_unix=request.deadline_unix,
+            store_read_s=read_s,
         )
 
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
@@ -170,8 +172,9 @@ class PrefillEngine:
                 continue
             found[key] = embedding.tensor
             self.embeddings.put(key, embedding.tensor, embedding.tensor.numel() * embedding.tensor.element_size())
-        self._store_hits += sum(key in found for key in missing)
-        self._store_misses += sum(key not in found for key in missing)
+        with self._wake:
+            self._store_hits += sum(key in found for key in missing)
+            self._store_misses += sum(key not in found for key in missing)
         out = {}
         for index in needed:
             ref = images[index]
@@ -258,11 +261,11 @@ class PrefillEngine:
         emb, pre = self.embeddings.stats(), self.prefix.stats()
         looked_up, hit = self.prefix.token_counts()
         with self._wake:
-            waiting = len(self._scheduler)
+            waiting, store_hits, store_misses = len(self._scheduler), self._store_hits, self._store_misses
         return [
             counter("epd_embedding_cache_lookups_total", "Embedding lookups by tier and outcome", "tier", "result")
             .add(emb.hits, "process", "hit").add(emb.misses, "process", "miss")
-            .add(self._store_hits, "redis", "hit").add(self._store_misses, "redis", "miss"),
+            .add(store_hits, "redis", "hit").add(store_misses, "redis", "miss"),
             gauge("epd_embedding_cache_bytes", "Bytes held by the in-process embedding LRU").add(emb.num_bytes),
             gauge("epd_embedding_cache_capacity_bytes", "Byte cap of the in-process embedding LRU").add(emb.capacity_bytes),
             gauge("epd_embedding_cache_entries", "Embeddings held by the in-process LRU").add(emb.num_entries),
