@@ -39,6 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--encoders", type=int, default=1, help="encoder replicas")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--max-model-len", type=int, default=0, help="context window (0: the model's)")
+    serve.add_argument("--store-ttl-s", type=int, default=3600, help="seconds an embedding stays in Redis")
+    serve.add_argument("--store-max-memory-mb", type=int, default=1024,
+                       help="memory cap of the embedded Redis, LRU eviction past it (an external Redis keeps its own)")
+    serve.add_argument("--embedding-cache-mb", type=int, default=256,
+                       help="prefill worker's in-process embedding LRU, MiB (0: off)")
+    serve.add_argument("--prefix-cache-mb", type=int, default=512, help="prefill worker's prefix cache, MiB (0: off)")
+    serve.add_argument("--prefix-block-size", type=int, default=64, help="tokens per prefix-cache block")
+    serve.add_argument("--snapshot-every-blocks", type=int, default=8,
+                       help="prefix snapshot every N blocks, besides each prompt's last ones (0: those only)")
+    serve.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                       help="most prompt tokens one prefill forward runs before waiting prompts take turns")
+    serve.add_argument("--max-batch-size", type=int, default=32,
+                       help="requests decoded together per step; more wait for a slot")
+    serve.add_argument("--encoder-batch-patches", type=int, default=16384,
+                       help="patch budget of one vision forward (queued images are batched up to it)")
+    serve.add_argument("--router-metrics-port", type=int, default=0, help="router Prometheus /metrics port (0: off)")
+    serve.add_argument("--prefill-metrics-port", type=int, default=0, help="prefill Prometheus /metrics port (0: off)")
     serve.add_argument("--log-level", default="WARNING")
     serve.set_defaults(func=_cmd_serve)
 
@@ -48,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="send one request to a running router and stream the answer")
     gen.add_argument("--addr", required=True, help="router HOST:PORT")
-    gen.add_argument("--prompt", required=True)
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one user turn (with --image files)")
+    what.add_argument("--messages", metavar="FILE.json",
+                      help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
+                           '{"type": "image", "image": PATH}]}], image paths relative to the file')
     gen.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
@@ -246,18 +267,23 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from epd.config import ConfigError, DecodeConfig, EncodeConfig, LMConfig, RouterConfig, ServeConfig, StoreConfig
+    from epd.config import ConfigError, DecodeConfig, EncodeConfig, PrefillConfig, RouterConfig, ServeConfig, StoreConfig
     from epd.serve import LocalStack, wait_forever
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = ServeConfig(
             model_dir=args.model,
-            store=StoreConfig(redis_url=args.redis),
-            encode=EncodeConfig(num_replicas=args.encoders, dtype=args.dtype),
-            prefill=LMConfig(dtype=args.dtype),
-            decode=DecodeConfig(dtype=args.dtype),
-            router=RouterConfig(host=args.host, port=args.port, max_model_len=args.max_model_len),
+            store=StoreConfig(redis_url=args.redis, ttl_s=args.store_ttl_s, max_memory_mb=args.store_max_memory_mb),
+            encode=EncodeConfig(num_replicas=args.encoders, dtype=args.dtype,
+                                max_batch_patches=args.encoder_batch_patches),
+            prefill=PrefillConfig(
+                dtype=args.dtype, chunk_tokens=args.prefill_chunk_tokens, embedding_cache_mb=args.embedding_cache_mb,
+                prefix_cache_mb=args.prefix_cache_mb, prefix_block_size=args.prefix_block_size,
+                snapshot_every_blocks=args.snapshot_every_blocks, metrics_port=args.prefill_metrics_port),
+            decode=DecodeConfig(dtype=args.dtype, max_batch_size=args.max_batch_size),
+            router=RouterConfig(host=args.host, port=args.port, max_model_len=args.max_model_len,
+                                metrics_port=args.router_metrics_port),
         )
     except ConfigError as error:
         print(f"epd serve: {error}", file=sys.stderr)
@@ -290,16 +316,13 @@ def _cmd_generate(args) -> int:
 
     from epd import client
 
-    images = []
-    for path in args.image:
-        try:
-            with open(path, "rb") as f:
-                images.append(f.read())
-        except OSError as error:
-            print(f"epd generate: cannot read image {path}: {error.strerror}", file=sys.stderr)
-            return 2
-    request = client.user_request(
-        args.prompt, images, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
+    try:
+        messages = _generate_messages(args)
+    except ValueError as error:
+        print(f"epd generate: {error}", file=sys.stderr)
+        return 2
+    request = client.chat_request(
+        messages, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
@@ -312,6 +335,33 @@ def _cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     return 0
+
+
+def _generate_messages(args) -> list:
+    """``--prompt`` with ``--image`` files, or the conversation in ``--messages``."""
+    import os
+
+    from epd import client
+
+    if args.messages is None:
+        images = []
+        for path in args.image:
+            try:
+                with open(path, "rb") as f:
+                    images.append(f.read())
+            except OSError as error:
+                raise ValueError(f"cannot read image {path}: {error.strerror}") from None
+        return list(client.user_request(args.prompt, images).messages)
+    if args.image:
+        raise ValueError("--image goes with --prompt; put a conversation's images in its --messages file")
+    try:
+        with open(args.messages) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ValueError(f"cannot read {args.messages}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{args.messages} is not valid JSON: {error}") from None
+    return client.messages_from_json(data, os.path.dirname(os.path.abspath(args.messages)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +50,53 @@ def user_request(prompt: str, images: Sequence[bytes] = (), *, max_pixels: int |
     if max_pixels is not None:
         request.max_pixels = max_pixels
     return request
+
+
+def chat_request(messages: Sequence[epd_pb2.ChatMessage], *, max_pixels: int | None = None,
+                 **sampling) -> epd_pb2.GenerateRequest:
+    """A whole conversation (see ``messages_from_json``)."""
+    request = epd_pb2.GenerateRequest(
+        messages=list(messages),
+        sampling=epd_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+    )
+    if max_pixels is not None:
+        request.max_pixels = max_pixels
+    return request
+
+
+def messages_from_json(messages: object, base_dir: str) -> list[epd_pb2.ChatMessage]:
+    """The usual chat format -> ChatMessages: a list of ``{"role", "content"}`` where content is a
+    string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": PATH}``
+    parts; image paths are read relative to ``base_dir``. Raises ValueError naming the problem."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty JSON list of {role, content} objects")
+    out = []
+    for m_index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"message {m_index} must be an object with a string role and a content")
+        content = message["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(parts, list):
+            raise ValueError(f"message {m_index} content must be a string or a list of parts")
+        chat = epd_pb2.ChatMessage(role=message["role"])
+        for p_index, part in enumerate(parts):
+            chat.content.append(_part_from_json(part, f"message {m_index} part {p_index}", base_dir))
+        out.append(chat)
+    return out
+
+
+def _part_from_json(part: object, where: str, base_dir: str) -> epd_pb2.ContentPart:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return epd_pb2.ContentPart(text=part["text"])
+    if kind == "image" and isinstance(part.get("image"), str):
+        path = os.path.join(base_dir, part["image"])
+        try:
+            with open(path, "rb") as f:
+                return epd_pb2.ContentPart(image=f.read())
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read image {path}: {error.strerror}") from None
+    raise ValueError(f'{where} must be {{"type": "text", "text": STR}} or {{"type": "image", "image": PATH}}')
 
 
 def stream(address: str, request: epd_pb2.GenerateRequest, timeout_s: float | None = None) -> Iterable[epd_pb2.GenerateResponse]:

@@ -28,7 +28,8 @@ class StoreConfig:
     ttl_s: int = 3600
     """Seconds an embedding stays in the store after it is written."""
     max_memory_mb: int = 1024
-    """Memory cap of the embedded Redis, evicting least-recently-used entries past it."""
+    """Memory cap of the embedded Redis, evicting least-recently-used entries past it (an external
+    Redis keeps its own ``maxmemory``; set ``maxmemory-policy allkeys-lru`` there)."""
 
     def __post_init__(self) -> None:
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -73,6 +74,35 @@ class LMConfig:
 
 
 @dataclass(frozen=True)
+class PrefillConfig(LMConfig):
+    chunk_tokens: int = 512
+    """Longest run of prompt tokens one forward takes; waiting prompts take turns between chunks."""
+    embedding_cache_mb: int = 256
+    """In-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
+    prefix_cache_mb: int = 512
+    """Prompt-prefix state snapshots (K/V + linear-attention states), in MiB; 0 turns it off."""
+    prefix_block_size: int = 64
+    """Tokens per prefix-cache block (64 = Gated DeltaNet's kernel chunk, so block edges fall on its chunk edges)."""
+    snapshot_every_blocks: int = 8
+    """Besides each prompt's last full block, keep a snapshot every this many blocks; 0: last block only."""
+    metrics_port: int = 0
+    """Port of the prefill worker's Prometheus /metrics endpoint on 127.0.0.1; 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(1 <= self.chunk_tokens <= 1 << 20, "prefill.chunk_tokens", f"must be in [1, 1048576], got {self.chunk_tokens}")
+        _check(0 <= self.embedding_cache_mb <= 1 << 20, "prefill.embedding_cache_mb",
+               f"must be in [0, 1048576], got {self.embedding_cache_mb}")
+        _check(0 <= self.prefix_cache_mb <= 1 << 20, "prefill.prefix_cache_mb",
+               f"must be in [0, 1048576], got {self.prefix_cache_mb}")
+        _check(1 <= self.prefix_block_size <= 8192, "prefill.prefix_block_size",
+               f"must be in [1, 8192], got {self.prefix_block_size}")
+        _check(0 <= self.snapshot_every_blocks <= 1 << 16, "prefill.snapshot_every_blocks",
+               f"must be in [0, 65536], got {self.snapshot_every_blocks}")
+        _check(0 <= self.metrics_port <= 65535, "prefill.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+
+
+@dataclass(frozen=True)
 class DecodeConfig(LMConfig):
     handoff_lease_s: float = 30.0
     """A handed-off request that no Stream call claims within this many seconds is freed."""
@@ -101,6 +131,8 @@ class RouterConfig:
     """Prompt plus completion ceiling in tokens; 0 uses the model's max_position_embeddings."""
     request_timeout_s: float = 600.0
     """A request still running after this many seconds is abandoned with DEADLINE_EXCEEDED."""
+    metrics_port: int = 0
+    """Port of the router's Prometheus /metrics endpoint (on ``host``); 0 turns it off."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "router.port", f"must be in [0, 65535], got {self.port}")
@@ -111,6 +143,7 @@ class RouterConfig:
         _check(self.max_model_len >= 0, "router.max_model_len", f"must be >= 0, got {self.max_model_len}")
         _check(1 <= self.request_timeout_s <= 86400, "router.request_timeout_s",
                f"must be in [1, 86400], got {self.request_timeout_s}")
+        _check(0 <= self.metrics_port <= 65535, "router.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass(frozen=True)
@@ -119,7 +152,7 @@ class ServeConfig:
     """Hugging Face Qwen3.5 checkpoint directory (config.json with model_type qwen3_5)."""
     store: StoreConfig = field(default_factory=StoreConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
-    prefill: LMConfig = field(default_factory=LMConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 

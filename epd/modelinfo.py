@@ -19,6 +19,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
     hidden_size: int
+    im_start_token_id: int | None = None  # <|im_start|>: where each chat turn begins (None if the tokenizer lacks it)
 
     @classmethod
     def load(cls, model_dir: str) -> ModelInfo:
@@ -32,7 +33,17 @@ class ModelInfo:
             eos_token_ids=frozenset(_eos_ids(model_dir, config.text_config.eos_token_id)),
             max_position_embeddings=config.text_config.max_position_embeddings,
             hidden_size=config.text_config.hidden_size,
+            im_start_token_id=_added_token_id(model_dir, "<|im_start|>"),
         )
+
+
+def _added_token_id(model_dir: str, content: str) -> int | None:
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        added = json.load(f).get("added_tokens", [])
+    return next((token["id"] for token in added if token.get("content") == content), None)
 
 
 def _eos_ids(model_dir: str, fallback: int | list[int] | None) -> list[int]:

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-# A chat message: {"role": ..., "content": [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
+# A chat message: {"role": ..., "content": str | [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
 ChatMessage = dict
 
 
@@ -32,10 +32,16 @@ class Oracle:
         return self.chat_inputs([{"role": "user", "content": content}], max_pixels)
 
     def chat_inputs(self, messages: list[ChatMessage], max_pixels: int | None = None) -> dict:
-        """``generate`` keyword arguments for a conversation; images in the order they appear."""
-        images = [part["image"] for m in messages for part in m["content"] if part["type"] == "image"]
-        chat = [{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
-                for m in messages]
+        """``generate`` keyword arguments for a conversation: each message's content is a string or
+        a list of ``{"type": "text", "text": str}`` / ``{"type": "image", "image": bytes}`` parts;
+        images in the order they appear."""
+        chat, images = [], []
+        for message in messages:
+            content = message["content"]
+            if not isinstance(content, str):
+                images += [part["image"] for part in content if part["type"] == "image"]
+                content = [{"type": "image"} if part["type"] == "image" else part for part in content]
+            chat.append({"role": message["role"], "content": content})
         text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                                   enable_thinking=False)
         out: dict = {}
@@ -54,11 +60,18 @@ class Oracle:
         out["mm_token_type_ids"] = (ids == self.image_token_id).int()
         return out
 
-    @torch.no_grad()
     def generate(self, prompt: str, images: list[bytes] = (), max_new_tokens: int = 32,
                  max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
         """Greedy tokens, the first token's logits, and the prompt length."""
-        inputs = self.inputs(prompt, list(images), max_pixels)
+        return self._generate(self.inputs(prompt, list(images), max_pixels), max_new_tokens)
+
+    def generate_chat(self, messages: list[ChatMessage], max_new_tokens: int = 32,
+                      max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+        """``generate`` for a whole conversation (see ``chat_inputs``)."""
+        return self._generate(self.chat_inputs(messages, max_pixels), max_new_tokens)
+
+    @torch.no_grad()
+    def _generate(self, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch.Tensor, int]:
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True)
         prompt_len = inputs["input_ids"].shape[1]

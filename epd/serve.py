@@ -96,7 +96,7 @@ class LocalStack:
         self.addresses["encode"], self.addresses["decode"] = ray.get([encode.address.remote(), decode.address.remote()],
                                                                      timeout=_READY_TIMEOUT_S)
         prefill = ray.remote(PrefillServer).options(**role, name="prefill").remote(
-            model, self.redis_url, self.addresses["decode"], cfg.prefill.dtype, cfg.prefill.num_threads)
+            model, self.redis_url, self.addresses["decode"], cfg.prefill)
         self.actors.append(prefill)
         self.addresses["prefill"] = ray.get(prefill.address.remote(), timeout=_READY_TIMEOUT_S)
         router = ray.remote(RouterServer).options(**role, name="router").remote(

@@ -90,6 +90,12 @@ class EmbeddingStore:
             return []
         return [None if value is None else decode_value(value) for value in self._redis.mget(list(keys))]
 
+    def memory_stats(self) -> dict[str, int]:
+        """The server's ``used_memory``, ``maxmemory`` (0: none), ``evicted_keys`` and key count."""
+        memory, stats = self._redis.info("memory"), self._redis.info("stats")
+        return {"used_memory": int(memory["used_memory"]), "maxmemory": int(memory.get("maxmemory", 0)),
+                "evicted_keys": int(stats.get("evicted_keys", 0)), "keys": int(self._redis.dbsize())}
+
     def delete(self, keys: Sequence[str]) -> int:
         return int(self._redis.delete(*keys)) if keys else 0
 

@@ -1,26 +1,39 @@
-"""Prefill: pull embeddings, splice them into the prompt, run it, sample, hand off to decode.
+"""Prefill: pull embeddings, splice them into the prompt, run it in chunks, sample, hand off.
 
-``PrefillEngine`` owns the runner and the store client; one prompt runs at a time (a forward
-already uses every core it is given). M-RoPE positions are computed here from the request alone
+``PrefillEngine`` owns the runner, the store client and the worker's two caches. A request
+thread prepares its prompt (prefix-cache lookup, embeddings from the in-process LRU or Redis,
+the spliced embeddings of every token still to compute, M-RoPE positions of the whole prompt)
+and queues it; one scheduler thread runs the forwards, a chunk of at most ``chunk_tokens`` at a
+time, letting the prompt with the fewest tokens left go next (``PrefillScheduler``), so a short
+prompt is not stuck behind a long one. Chunk edges need no care around images: the whole
+prompt's embeddings are spliced before the first chunk runs. At each snapshot point the state
+is copied into the prefix cache. Positions are computed here from the request alone
 (``epd.positions``), never read from a shared model object.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from epd import handoff, positions, rpc
+from epd.config import PrefillConfig
 from epd.lm import HybridState, TextModelRunner
+from epd.metrics import Family, counter, gauge, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs, logprobs_to_proto, sample, sampling_from_proto
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
+from prefill_svc.scheduler import PrefillScheduler, PromptProgress
+
+MIB = 1 << 20
 
 
 @dataclass
@@ -33,65 +46,152 @@ class PrefillResult:
     prefill_s: float
     store_read_s: float = 0.0
     queue_s: float = 0.0
+    cached_tokens: int = 0
+
+
+class JobStatus(enum.Enum):
+    WAITING_FOR_EMBEDDINGS = "waiting_for_embeddings"
+    PREFILLING = "prefilling"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One prompt in the prefill: the tensors for tokens ``[cached_tokens, prompt_len)``."""
+
+    progress: PromptProgress
+    embeds: torch.Tensor  # [prompt_len - cached_tokens, hidden], images spliced in
+    positions: torch.Tensor  # [3, prompt_len - cached_tokens]
+    state: HybridState  # a private copy of the cached prefix's state, or empty
+    block_hashes: list[bytes]
+    rope_delta: int
+    deadline_unix: float
+    store_read_s: float = 0.0  # the embedding reads (LRU, then Redis)
+    status: JobStatus = JobStatus.WAITING_FOR_EMBEDDINGS
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    queued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.progress.prompt_len - self.embeds.shape[0]
 
 
 class PrefillEngine:
-    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore) -> None:
+    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore,
+                 config: PrefillConfig | None = None) -> None:
         self.runner = runner
         self.info = info
         self.store = store
-        self._lock = threading.Lock()
+        self.config = config or PrefillConfig()
+        self.embeddings: ByteLRU[torch.Tensor] = ByteLRU(self.config.embedding_cache_mb * MIB)
+        self.prefix = PrefixCache(self.config.prefix_cache_mb * MIB, self.config.prefix_block_size,
+                                  self.config.snapshot_every_blocks)
+        self._scheduler = PrefillScheduler(self.config.chunk_tokens)
+        self._jobs: dict[PromptProgress, PrefillJob] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._store_hits = self._store_misses = 0
+        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ request threads
 
     def run(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
+        job = self._prepare(request)
+        with self._wake:
+            job.status, job.queued_at = JobStatus.PREFILLING, time.perf_counter()
+            self._jobs[job.progress] = job
+            self._scheduler.add(job.progress)
+            self._wake.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        token, logprobs = sample(job.logits, sampling, step=0)
+        return PrefillResult(
+            first_token=token,
+            logprobs=logprobs,
+            state=job.state,
+            rope_delta=job.rope_delta,
+            finish_reason=self._finish_reason(token, sampling),
+            prefill_s=job.finished_at - job.started_at,
+            store_read_s=job.store_read_s,
+            queue_s=job.started_at - job.queued_at,
+            cached_tokens=job.cached_tokens,
+        )
+
+    def _prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
+        """Validate; find the cached prefix; build the embeddings and positions of the rest."""
         token_ids = list(request.token_ids)
         if not token_ids:
             raise ValueError("prompt is empty")
         grids = [(ref.merged_height, ref.merged_width) for ref in request.images]
         spans = positions.find_image_spans(token_ids, self.info.image_token_id, grids)
+        images = [KeyedImage(span, ref.store_key) for span, ref in zip(spans, request.images)]
+        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint)
+        cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
+        needed = [index for index, span in enumerate(spans) if span.end > cached]
         read_start = time.perf_counter()
-        image_embeds = self._fetch_embeddings(request.images)
-        queued = time.perf_counter()
-        with self._lock:
-            start = time.perf_counter()
-            embeds = self.runner.embed(torch.tensor(token_ids, dtype=torch.long)).clone()
-            for span, tensor in zip(spans, image_embeds):
-                embeds[span.start : span.end] = tensor.to(embeds.device, embeds.dtype)
-            pos, rope_delta = positions.mrope_positions(len(token_ids), spans)
-            state = self.runner.new_state()
-            hidden = self.runner.forward(embeds, pos, state)
-            logits = self.runner.logits(hidden)
-        token, logprobs = sample(logits, sampling, step=0)
-        return PrefillResult(
-            first_token=token,
-            logprobs=logprobs,
-            state=state,
+        image_embeds = self._fetch_embeddings(request.images, needed)
+        read_s = time.perf_counter() - read_start
+        embeds = self.runner.embed(torch.tensor(token_ids[cached:], dtype=torch.long)).clone()
+        for index in needed:
+            span, start = spans[index], max(spans[index].start, cached)
+            rows = image_embeds[index][start - span.start :]
+            embeds[start - cached : span.end - cached] = rows.to(embeds.device, embeds.dtype)
+        pos, rope_delta = positions.mrope_positions(len(token_ids), spans)
+        stops = snapshot_points(len(token_ids), self.prefix.block_size, self.prefix.every_blocks,
+                                _last_index(token_ids, self.info.im_start_token_id))
+        return PrefillJob(
+            progress=PromptProgress(prompt_len=len(token_ids), cursor=cached, stops=stops),
+            embeds=embeds,
+            positions=pos[:, cached:],
+            state=state if state is not None else self.runner.new_state(),
+            block_hashes=hashes,
             rope_delta=rope_delta,
-            finish_reason=self._finish_reason(token, sampling),
-            prefill_s=time.perf_counter() - start,
-            store_read_s=queued - read_start,
-            queue_s=start - queued,
+            deadline_unix=request.deadline_unix,
+            store_read_s=read_s,
         )
 
-    def _fetch_embeddings(self, images) -> list[torch.Tensor]:
-        keys = [ref.store_key for ref in images]
-        unique = list(dict.fromkeys(keys))
-        found = dict(zip(unique, self.store.get_many(unique)))
-        out = []
-        for index, ref in enumerate(images):
-            embedding = found[ref.store_key]
+    def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
+        """Embeddings of the images at ``needed``: the in-process LRU first, then one Redis MGET."""
+        found: dict[str, torch.Tensor] = {}
+        for index in needed:
+            key = images[index].store_key
+            if key not in found:
+                tensor = self.embeddings.get(key)
+                if tensor is not None:
+                    found[key] = tensor
+        missing = list(dict.fromkeys(images[i].store_key for i in needed if images[i].store_key not in found))
+        for key, embedding in zip(missing, self.store.get_many(missing)):
             if embedding is None:
+                continue
+            found[key] = embedding.tensor
+            self.embeddings.put(key, embedding.tensor, embedding.tensor.numel() * embedding.tensor.element_size())
+        with self._wake:
+            self._store_hits += sum(key in found for key in missing)
+            self._store_misses += sum(key not in found for key in missing)
+        out = {}
+        for index in needed:
+            ref = images[index]
+            if ref.store_key not in found:
                 # The router re-encodes on this status: an eviction between its check and this
                 # read must cost a retry, never a failed request.
                 raise rpc.RpcFailure(
                     grpc.StatusCode.FAILED_PRECONDITION, f"embedding of image {index} is not in the store: {ref.store_key}"
                 )
+            tensor = found[ref.store_key]
             expected = (ref.merged_height * ref.merged_width, self.info.hidden_size)
-            if tuple(embedding.tensor.shape) != expected:
+            if tuple(tensor.shape) != expected:
                 raise rpc.RpcFailure(
                     grpc.StatusCode.INTERNAL,
-                    f"embedding of image {index} has shape {tuple(embedding.tensor.shape)}, expected {expected}",
+                    f"embedding of image {index} has shape {tuple(tensor.shape)}, expected {expected}",
                 )
-            out.append(embedding.tensor)
+            out[index] = tensor
         return out
 
     def _finish_reason(self, token: int, sampling: SamplingConfig) -> FinishReason | None:
@@ -100,6 +200,92 @@ class PrefillEngine:
         if sampling.max_tokens <= 1:
             return FinishReason.LENGTH
         return None
+
+    # ------------------------------------------------------------ the scheduler thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._scheduler and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                progress, end = self._scheduler.next_chunk()
+                job = self._jobs[progress]
+            try:
+                self._run_chunk(job, end)
+            except Exception as error:  # noqa: BLE001 - one prompt's failure must not stop the others
+                self._finish(job, error)
+                continue
+            with self._wake:
+                self._scheduler.advance(progress, end)
+            if progress.done:
+                self._finish(job, None)
+
+    def _run_chunk(self, job: PrefillJob, end: int) -> None:
+        if job.deadline_unix and time.time() > job.deadline_unix:
+            raise rpc.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill: request passed its deadline while queued")
+        if job.started_at is None:
+            job.started_at = time.perf_counter()
+        base = job.cached_tokens
+        lo, hi = job.progress.cursor - base, end - base
+        hidden = self.runner.forward(job.embeds[lo:hi], job.positions[:, lo:hi], job.state)
+        block_size = self.prefix.block_size
+        if end in job.progress.stops and self.config.prefix_cache_mb:
+            block_hash = job.block_hashes[end // block_size - 1]
+            if self.prefix.wants(block_hash):
+                self.prefix.insert(block_hash, job.state)
+        if end == job.progress.prompt_len:
+            job.logits = self.runner.logits(hidden)
+
+    def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
+        with self._wake:
+            self._scheduler.remove(job.progress)
+            self._jobs.pop(job.progress, None)
+        job.error = error
+        job.status = JobStatus.FAILED if error else JobStatus.FINISHED
+        job.finished_at = time.perf_counter()
+        if job.started_at is None:
+            job.started_at = job.finished_at
+        job.done.set()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------ metrics
+
+    def metrics(self) -> list[Family]:
+        emb, pre = self.embeddings.stats(), self.prefix.stats()
+        looked_up, hit = self.prefix.token_counts()
+        with self._wake:
+            waiting, store_hits, store_misses = len(self._scheduler), self._store_hits, self._store_misses
+        return [
+            counter("epd_embedding_cache_lookups_total", "Embedding lookups by tier and outcome", "tier", "result")
+            .add(emb.hits, "process", "hit").add(emb.misses, "process", "miss")
+            .add(store_hits, "redis", "hit").add(store_misses, "redis", "miss"),
+            gauge("epd_embedding_cache_bytes", "Bytes held by the in-process embedding LRU").add(emb.num_bytes),
+            gauge("epd_embedding_cache_capacity_bytes", "Byte cap of the in-process embedding LRU").add(emb.capacity_bytes),
+            gauge("epd_embedding_cache_entries", "Embeddings held by the in-process LRU").add(emb.num_entries),
+            counter("epd_embedding_cache_evictions_total", "Embeddings evicted from the in-process LRU").add(emb.evictions),
+            counter("epd_prefix_cache_lookups_total", "Prefix-cache lookups by outcome", "result")
+            .add(pre.hits, "hit").add(pre.misses, "miss"),
+            counter("epd_prefix_cache_tokens_total", "Prompt tokens looked up, and those served from the cache", "kind")
+            .add(looked_up, "looked_up").add(hit, "hit"),
+            gauge("epd_prefix_cache_bytes", "Bytes held by prefix snapshots").add(pre.num_bytes),
+            gauge("epd_prefix_cache_capacity_bytes", "Byte cap of the prefix cache").add(pre.capacity_bytes),
+            gauge("epd_prefix_cache_entries", "Prefix snapshots held").add(pre.num_entries),
+            counter("epd_prefix_cache_evictions_total", "Prefix snapshots evicted").add(pre.evictions),
+            gauge("epd_prefill_waiting_prompts", "Prompts queued or part-way through their prefill").add(waiting),
+        ]
+
+
+def _last_index(token_ids: list[int], token: int | None) -> int | None:
+    if token is None or token not in token_ids:
+        return None
+    return len(token_ids) - 1 - token_ids[::-1].index(token)
 
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
@@ -118,6 +304,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             prefill_s=result.prefill_s,
             store_read_s=result.store_read_s,
             queue_s=result.queue_s,
+            cached_tokens=result.cached_tokens,
         )
         if result.finish_reason is not None:
             reply.finished = True
@@ -145,11 +332,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
 class PrefillServer(rpc.RoleServer):
     """Hosts the Prefill service in its own process (a Ray actor made by the launcher)."""
 
-    def __init__(self, model_dir: str, redis_url: str, decode_addr: str, dtype: str = "float32",
-                 num_threads: int = 0, host: str = "127.0.0.1") -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
+    def __init__(self, model_dir: str, redis_url: str, decode_addr: str, config: PrefillConfig | None = None,
+                 host: str = "127.0.0.1") -> None:
+        config = config or PrefillConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         info = ModelInfo.load(model_dir)
-        runner = TextModelRunner.load(model_dir, dtype=dtype)
-        servicer = PrefillServicer(PrefillEngine(runner, info, EmbeddingStore(redis_url)), decode_addr)
+        runner = TextModelRunner.load(model_dir, dtype=config.dtype)
+        self.engine = PrefillEngine(runner, info, EmbeddingStore(redis_url), config)
+        servicer = PrefillServicer(self.engine, decode_addr)
         self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", host)
+        self._metrics = serve_metrics(self.engine.metrics, host, config.metrics_port)

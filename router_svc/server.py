@@ -8,19 +8,23 @@ relay the decode stream, applying stop strings, and end with a summary.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
 from epd import rpc
 from epd.config import RouterConfig
+from epd.metrics import Family, counter, gauge, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from router_svc.flights import SingleFlight
 from router_svc.prompt import Prompt, PromptBuilder, request_images_proto
 from router_svc.text import TextStream
 
@@ -35,6 +39,9 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self._encoder = epd_pb2_grpc.EncoderStub(rpc.channel(encoder_addr))
         self._prefill = epd_pb2_grpc.PrefillStub(rpc.channel(prefill_addr))
         self._decode_stubs: dict[str, epd_pb2_grpc.DecodeStub] = {}
+        self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
+        self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0}
+        self._counts_lock = threading.Lock()
 
     @rpc.stream_errors
     def Generate(self, request: epd_pb2.GenerateRequest, context) -> Iterator[epd_pb2.GenerateResponse]:
@@ -47,9 +54,10 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         deadline = time.time() + min(self.config.request_timeout_s, context.time_remaining() or float("inf"))
 
         timings = epd_pb2.StageTimings()
-        num_encoded = self._ensure_embeddings(prompt, deadline, force=False, timings=timings)
-        reply, retried = self._prefill_with_retry(request_id, prompt, sampling, deadline, timings)
-        num_encoded += retried
+        encoded: set[str] = set()  # store keys this request's encodes produced
+        self._ensure_embeddings(prompt, deadline, force=False, timings=timings, encoded=encoded)
+        reply = self._prefill_with_retry(request_id, prompt, sampling, deadline, timings, encoded)
+        self._count(encoded=len(encoded), prefix_tokens=reply.cached_tokens)
         timings.MergeFrom(epd_pb2.StageTimings(
             store_read_s=reply.store_read_s, prefill_s=reply.prefill_s, handoff_s=reply.handoff_s,
             handoff_bytes=reply.handoff_bytes, queue_s=reply.queue_s))
@@ -76,10 +84,12 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             ttft_s=ttft,
             e2e_s=time.perf_counter() - start,
             images=len(prompt.images),
-            images_encoded=num_encoded,
+            images_encoded=len(encoded),
             seed=sampling.seed,
             cached_tokens=reply.cached_tokens,
-            images_cached=max(0, len({image.store_key for image in prompt.images}) - num_encoded),
+            # Every distinct image this request did not encode came from a cache: Redis, the
+            # prefill worker's LRU, the prefix cache, or another request's encode it waited on.
+            images_cached=len({image.store_key for image in prompt.images} - encoded),
             timings=timings,
         ))
 
@@ -112,37 +122,80 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
                 f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - prompt_len}"
             )
 
-    def _ensure_embeddings(self, prompt: Prompt, deadline: float, force: bool,
-                           timings: epd_pb2.StageTimings) -> int:
-        """Encode the images the store lacks (all of them when ``force``); returns how many ran,
-        adding their encode and store-write times to ``timings``."""
+    def _ensure_embeddings(self, prompt: Prompt, deadline: float, force: bool, timings: epd_pb2.StageTimings,
+                           encoded: set[str]) -> None:
+        """Make sure the store has every image of the prompt (encode all of them when ``force``).
+
+        Keys another request is already encoding are waited on, not sent again (single flight).
+        Adds the keys this request encoded to ``encoded`` and their costs to ``timings``.
+        """
         first_index: dict[str, int] = {}
         for index, image in enumerate(prompt.images):
             first_index.setdefault(image.store_key, index)
         keys = list(first_index)
         present = [False] * len(keys) if force else self.store.exists_many(keys)
         missing = [key for key, ok in zip(keys, present) if not ok]
+        if not force:
+            self._count(store_hits=len(keys) - len(missing), store_misses=len(missing))
         if not missing:
-            return 0
+            return
+        led, joined = self._flights.claim(missing)
+        results = self._encode_led(prompt, first_index, led, deadline)
+        for attempt in range(2):
+            retry: list[str] = []
+            for key, future in joined.items():
+                try:
+                    results[key] = future.result(timeout=max(0.0, deadline - time.time()))
+                except FutureTimeout:
+                    raise rpc.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         "encoder: deadline passed waiting for another request's encode") from None
+                except Exception:  # noqa: BLE001 - the leader's call failed (its deadline, a dead replica)
+                    if attempt:
+                        raise
+                    retry.append(key)
+            if not retry:
+                break
+            own, joined = self._flights.claim(retry)  # try ourselves, or wait on whoever leads it now
+            results.update(self._encode_led(prompt, first_index, own, deadline))
+            led += own
+        for key in missing:
+            self._check_encoded(prompt, first_index[key], results[key])
+        for key in led:
+            encoded.add(key)
+            timings.encode_s += results[key].encode_s
+            timings.store_write_s += results[key].store_write_s
+
+    def _encode_led(self, prompt: Prompt, first_index: dict[str, int], led: list[str],
+                    deadline: float) -> dict[str, epd_pb2.EncodedImage]:
+        """One Encode call for the keys this request leads; every waiter gets the outcome."""
+        if not led:
+            return {}
         items = [
             epd_pb2.EncodeItem(store_key=key, data=prompt.images[first_index[key]].data,
                                max_pixels=prompt.images[first_index[key]].max_pixels)
-            for key in missing
+            for key in led
         ]
-        reply = self._call(self._encoder.Encode, epd_pb2.EncodeRequest(items=items), deadline, "encoder")
-        for key, encoded in zip(missing, reply.images):
-            index = first_index[key]
-            if encoded.error:
-                raise ValueError(f"image {index}: {encoded.error}")
-            if encoded.num_tokens != prompt.images[index].info.num_tokens:
-                raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, f"image {index}: encoder made {encoded.num_tokens} "
-                                     f"tokens, the header promised {prompt.images[index].info.num_tokens}")
-            timings.encode_s += encoded.encode_s
-            timings.store_write_s += encoded.store_write_s
-        return len(missing)
+        try:
+            reply = self._call(self._encoder.Encode, epd_pb2.EncodeRequest(items=items), deadline, "encoder")
+        except BaseException as error:
+            for key in led:
+                self._flights.resolve(key, error=error)
+            raise
+        results = dict(zip(led, reply.images))
+        for key in led:
+            self._flights.resolve(key, result=results[key])
+        return results
 
-    def _prefill_with_retry(self, request_id: str, prompt: Prompt, sampling: SamplingConfig,
-                            deadline: float, timings: epd_pb2.StageTimings) -> tuple[epd_pb2.PrefillResponse, int]:
+    @staticmethod
+    def _check_encoded(prompt: Prompt, index: int, result: epd_pb2.EncodedImage) -> None:
+        if result.error:
+            raise ValueError(f"image {index}: {result.error}")
+        if result.num_tokens != prompt.images[index].info.num_tokens:
+            raise rpc.RpcFailure(grpc.StatusCode.INTERNAL, f"image {index}: encoder made {result.num_tokens} "
+                                 f"tokens, the header promised {prompt.images[index].info.num_tokens}")
+
+    def _prefill_with_retry(self, request_id: str, prompt: Prompt, sampling: SamplingConfig, deadline: float,
+                            timings: epd_pb2.StageTimings, encoded: set[str]) -> epd_pb2.PrefillResponse:
         job = epd_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=prompt.token_ids,
@@ -154,13 +207,43 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             deadline_unix=deadline,
         )
         try:
-            return self._call(self._prefill.Prefill, job, deadline, "prefill"), 0
+            return self._call(self._prefill.Prefill, job, deadline, "prefill")
         except rpc.RpcFailure as failure:
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         # An embedding was evicted between our check and prefill's read: encode again, once.
-        encoded = self._ensure_embeddings(prompt, deadline, force=True, timings=timings)
-        return self._call(self._prefill.Prefill, job, deadline, "prefill"), encoded
+        self._ensure_embeddings(prompt, deadline, force=True, timings=timings, encoded=encoded)
+        return self._call(self._prefill.Prefill, job, deadline, "prefill")
+
+    # ---------------------------------------------------------------- metrics
+
+    def _count(self, **deltas: int) -> None:
+        with self._counts_lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def metrics(self) -> list[Family]:
+        with self._counts_lock:
+            counts = dict(self._counts)
+        families = [
+            counter("epd_embedding_cache_lookups_total", "Router's store checks of request images", "tier", "result")
+            .add(counts["store_hits"], "redis", "hit").add(counts["store_misses"], "redis", "miss"),
+            counter("epd_images_encoded_total", "Images this router had encoded").add(counts["encoded"]),
+            counter("epd_encode_single_flight_joins_total", "Image encodes waited on instead of sent again")
+            .add(self._flights.num_joined),
+            counter("epd_prefix_cache_hit_tokens_total", "Prompt tokens prefill took from its prefix cache")
+            .add(counts["prefix_tokens"]),
+        ]
+        try:
+            memory = self.store.memory_stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because Redis is briefly away
+            return families
+        return families + [
+            gauge("epd_redis_used_memory_bytes", "Redis used_memory").add(memory["used_memory"]),
+            gauge("epd_redis_max_memory_bytes", "Redis maxmemory (0: no cap)").add(memory["maxmemory"]),
+            gauge("epd_redis_keys", "Keys in the embedding store's Redis database").add(memory["keys"]),
+            counter("epd_redis_evicted_keys_total", "Keys Redis evicted under its memory cap").add(memory["evicted_keys"]),
+        ]
 
     def _relay_decode(self, request_id: str, decode_addr: str, text: TextStream, sampling: SamplingConfig,
                       deadline: float) -> Iterator[epd_pb2.GenerateResponse]:
@@ -223,3 +306,4 @@ class RouterServer(rpc.RoleServer):
         builder = PromptBuilder.load(model_dir, info, max_decoded_pixels)
         servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), encoder_addr, prefill_addr)
         self._serve(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router", config.host, config.port)
+        self._metrics = serve_metrics(servicer.metrics, config.host, config.metrics_port)

@@ -1,0 +1,110 @@
+"""Cache and scheduling bookkeeping, without a model: byte-bounded LRU, prefix keys, snapshot
+points, the prefill chunk scheduler, the router's encode single flight, and their config bounds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from epd.config import ConfigError, PrefillConfig, RouterConfig
+from epd.positions import ImageSpan
+from prefill_svc.caches import ByteLRU, KeyedImage, prefix_block_hashes, snapshot_points
+from prefill_svc.scheduler import PrefillScheduler, PromptProgress
+from router_svc.flights import SingleFlight
+
+
+def test_lru_evicts_least_recently_used_and_never_exceeds_its_cap():
+    lru: ByteLRU[str] = ByteLRU(100)
+    assert lru.put("a", "A", 40) and lru.put("b", "B", 40)
+    assert lru.get("a") == "A"  # a is now the most recent
+    assert lru.put("c", "C", 40)  # evicts b
+    assert "b" not in lru and "a" in lru and "c" in lru
+    assert not lru.put("huge", "H", 101)  # can never fit: not stored, nothing evicted
+    assert lru.put("a", "A2", 60)  # replacing a frees its old size first; c (40) still fits
+    stats = lru.stats()
+    assert (stats.num_entries, stats.num_bytes, stats.evictions) == (2, 100, 1)
+    assert (stats.hits, stats.misses) == (1, 0)
+    assert lru.get("b") is None and lru.stats().misses == 1
+
+
+def _tokens(n, pad_at=(), pad=9):
+    return [pad if i in pad_at else i % 7 for i in range(n)]
+
+
+def test_prefix_hashes_differ_from_the_first_block_an_image_overlaps():
+    span = ImageSpan(start=20, merged_height=2, merged_width=4)  # tokens 20..27, in block 1 of 16
+    tokens = _tokens(48, pad_at=range(20, 28))
+    a = prefix_block_hashes(tokens, [KeyedImage(span, "key-a")], 16, "model")
+    b = prefix_block_hashes(tokens, [KeyedImage(span, "key-b")], 16, "model")
+    assert len(a) == 3
+    assert a[0] == b[0]  # before the image: shared
+    assert a[1] != b[1] and a[2] != b[2]  # chained: every block from the image on differs
+    assert prefix_block_hashes(tokens, [KeyedImage(span, "key-a")], 16, "model") == a
+    assert prefix_block_hashes(tokens, [KeyedImage(span, "key-a")], 16, "other-model")[0] != a[0]
+    other_tokens = list(tokens)
+    other_tokens[40] += 1
+    c = prefix_block_hashes(other_tokens, [KeyedImage(span, "key-a")], 16, "model")
+    assert c[:2] == a[:2] and c[2] != a[2]
+
+
+def test_snapshot_points():
+    assert snapshot_points(100, 16, 2) == [32, 64, 96]
+    assert snapshot_points(100, 16, 0) == [96]
+    assert snapshot_points(100, 16, 0, last_turn_start=95) == [80, 96]
+    assert snapshot_points(10, 16, 2, last_turn_start=5) == []
+
+
+def test_scheduler_runs_the_shortest_remaining_prompt_next_and_stops_at_snapshot_points():
+    scheduler = PrefillScheduler(chunk_tokens=64)
+    long = PromptProgress(prompt_len=300, stops=[100])
+    scheduler.add(long)
+    assert scheduler.next_chunk() == (long, 64)
+    scheduler.advance(long, 64)
+    short = PromptProgress(prompt_len=40, cursor=0)
+    scheduler.add(short)
+    assert scheduler.next_chunk() == (short, 40)  # arrived later, but has less left
+    scheduler.advance(short, 40)
+    assert short.done and len(scheduler) == 1
+    assert scheduler.next_chunk() == (long, 100)  # the chunk ends at the snapshot point
+    scheduler.advance(long, 100)
+    ends = []
+    while len(scheduler):
+        progress, end = scheduler.next_chunk()
+        scheduler.advance(progress, end)
+        ends.append(end)
+    assert ends == [164, 228, 292, 300]
+    with pytest.raises(ValueError):
+        scheduler.add(PromptProgress(prompt_len=5, cursor=5))
+
+
+def test_single_flight_runs_one_call_per_key_and_shares_the_outcome():
+    flights: SingleFlight[str] = SingleFlight()
+    led, joined = flights.claim(["a", "b", "a"])
+    assert led == ["a", "b"] and joined == {}
+    led2, joined2 = flights.claim(["b", "c"])
+    assert led2 == ["c"] and set(joined2) == {"b"}
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(joined2["b"].result(timeout=5)))
+    waiter.start()
+    flights.resolve("b", result="B")
+    waiter.join()
+    assert got == ["B"]
+    flights.resolve("a", error=RuntimeError("replica died"))
+    flights.resolve("c", result="C")
+    assert flights.claim(["a"])[0] == ["a"]  # a finished key can be led again
+    assert flights.num_joined == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("chunk_tokens", 0), ("embedding_cache_mb", -1), ("prefix_cache_mb", -1), ("prefix_block_size", 0),
+    ("snapshot_every_blocks", -1), ("metrics_port", 70000),
+])
+def test_prefill_config_bounds_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"prefill.{field}"):
+        PrefillConfig(**{field: value})
+
+
+def test_router_metrics_port_bound():
+    with pytest.raises(ConfigError, match="router.metrics_port"):
+        RouterConfig(metrics_port=-1)

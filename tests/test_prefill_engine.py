@@ -1,0 +1,203 @@
+"""The prefill engine in-process (tiny model, a real redis-server, transformers as the oracle):
+chunked prefill, the prefix cache and the embedding LRU must all leave greedy output unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+
+from epd import positions
+from epd.config import PrefillConfig
+from epd.lm import TextModelRunner
+from epd.modelinfo import ModelInfo
+from epd.redis_server import EmbeddedRedis
+from epd.sampling import SamplingConfig
+from epd.store import Embedding, EmbeddingStore, store_key
+from epd.synthetic import make_image
+from epd.v1 import epd_pb2
+from prefill_svc.engine import PrefillEngine
+
+SQUARE = make_image(448, 448, seed=1)
+WIDE = make_image(640, 200, seed=2)
+OTHER = make_image(448, 448, seed=3)  # same size as SQUARE: the same placeholder tokens
+GREEDY = SamplingConfig(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, ignore_eos=True, logprobs=20)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = EmbeddedRedis(max_memory_mb=64)
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return TextModelRunner.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def info(tiny_model_dir):
+    return ModelInfo.load(tiny_model_dir)
+
+
+@pytest.fixture
+def make_engine(runner, info, redis_url):
+    engines = []
+
+    def make(**config) -> PrefillEngine:
+        engine = PrefillEngine(runner, info, EmbeddingStore(redis_url), PrefillConfig(**config))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+class Case:
+    """A prompt as prefill sees it, with its embeddings put in the store and transformers' answer."""
+
+    def __init__(self, oracle, info, redis_url, messages, max_new_tokens=16):
+        inputs = oracle.chat_inputs(messages)
+        self.token_ids = inputs["input_ids"][0].tolist()
+        self.refs = []
+        store = EmbeddingStore(redis_url)
+        if "pixel_values" in inputs:
+            with torch.no_grad():
+                out = oracle.model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+            rows = out.pooler_output
+            images = [part["image"] for m in messages if not isinstance(m["content"], str)
+                      for part in m["content"] if part["type"] == "image"]
+            for data, grid in zip(images, inputs["image_grid_thw"].tolist()):
+                n = grid[0] * grid[1] * grid[2] // 4
+                key = store_key(info.fingerprint, hashlib.sha256(data).hexdigest())
+                store.put(key, Embedding(tensor=rows[:n].contiguous(), grid_thw=tuple(grid)))
+                rows = rows[n:]
+                self.refs.append(epd_pb2.ImageRef(store_key=key, merged_height=grid[1] // 2, merged_width=grid[2] // 2))
+        store.close()
+        self.expected, self.logits, _ = oracle.generate_chat(messages, max_new_tokens=max_new_tokens)
+
+    def request(self) -> epd_pb2.PrefillRequest:
+        return epd_pb2.PrefillRequest(request_id="t", token_ids=self.token_ids, images=self.refs)
+
+
+def user(text, *images):
+    return [{"role": "user", "content": [*({"type": "image", "image": d} for d in images), {"type": "text", "text": text}]}]
+
+
+def greedy(runner, case, result, num_tokens) -> list[int]:
+    """Continue a prefill result the way decode does: last token at L + i + rope_delta."""
+    tokens, state = [result.first_token], result.state
+    for step in range(num_tokens - 1):
+        pos = positions.decode_position(len(case.token_ids), step, result.rope_delta)
+        hidden = runner.forward(runner.embed(torch.tensor([tokens[-1]])), torch.full((3, 1), pos), state)
+        tokens.append(int(torch.argmax(runner.logits(hidden))))
+    return tokens
+
+
+def assert_matches_oracle(runner, case, result):
+    reference = torch.log_softmax(case.logits, dim=-1)
+    ids = [token for token, _ in result.logprobs.top]
+    assert ids == torch.topk(reference, 20).indices.tolist()
+    assert torch.allclose(torch.tensor([lp for _, lp in result.logprobs.top]), reference[ids], atol=1e-4, rtol=0)
+    assert greedy(runner, case, result, len(case.expected)) == case.expected
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 7, 4096])
+def test_chunked_prefill_across_images_matches_transformers(oracle, info, redis_url, runner, make_engine, chunk_tokens):
+    case = Case(oracle, info, redis_url, user("Compare the two pictures.", SQUARE, WIDE))
+    engine = make_engine(chunk_tokens=chunk_tokens, prefix_cache_mb=0)
+    result = engine.run(case.request(), GREEDY)
+    assert result.cached_tokens == 0
+    assert_matches_oracle(runner, case, result)
+
+
+def test_prefix_hit_computes_only_the_suffix_and_matches_transformers(oracle, info, redis_url, runner, make_engine):
+    engine = make_engine(chunk_tokens=64, prefix_block_size=16, snapshot_every_blocks=4)
+    first = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE))
+    engine.run(first.request(), GREEDY)
+    history = user("What is in this picture?", SQUARE) + [
+        {"role": "assistant", "content": "A square."}, {"role": "user", "content": "And its colour?"}]
+    second = Case(oracle, info, redis_url, history)
+    result = engine.run(second.request(), GREEDY)
+    shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
+    # The snapshot at the last block edge before the first turn's generation prompt is the one to hit.
+    assert result.cached_tokens == shared // 16 * 16
+    assert result.cached_tokens >= first.token_ids.index(info.image_token_id) + 196
+    assert_matches_oracle(runner, second, result)
+
+
+def test_a_snapshot_is_never_changed_by_the_requests_that_use_it(oracle, info, redis_url, runner, make_engine):
+    engine = make_engine(chunk_tokens=512, prefix_block_size=16, snapshot_every_blocks=0)
+    case = Case(oracle, info, redis_url, user("Describe it.", SQUARE), max_new_tokens=8)
+    engine.run(case.request(), GREEDY)
+    for _ in range(3):
+        result = engine.run(case.request(), GREEDY)
+        assert result.cached_tokens > 0
+        assert_matches_oracle(runner, case, result)  # runs decode steps on the state it was given
+        with torch.inference_mode():
+            for tensor in (*result.state.keys, *result.state.values, *result.state.conv, *result.state.recurrent):
+                if tensor is not None:
+                    tensor.mul_(-3.0)  # decode owns this state now: the cache's copy must not move
+
+
+def test_same_text_with_another_image_never_hits_the_prefix_cache(oracle, info, redis_url, runner, make_engine):
+    for order in ((SQUARE, OTHER), (OTHER, SQUARE)):
+        engine = make_engine(chunk_tokens=512, prefix_block_size=16, snapshot_every_blocks=1)
+        cases = [Case(oracle, info, redis_url, user("Which is it?", image)) for image in order]
+        assert cases[0].token_ids == cases[1].token_ids  # only the image differs
+        first_image = cases[0].token_ids.index(info.image_token_id)
+        for case in cases:
+            result = engine.run(case.request(), GREEDY)
+            assert result.cached_tokens <= first_image // 16 * 16  # only blocks before the image are shared
+            assert_matches_oracle(runner, case, result)
+        again = engine.run(cases[0].request(), GREEDY)  # its own entries are still there
+        assert again.cached_tokens > first_image + 196
+        assert_matches_oracle(runner, cases[0], again)
+
+
+def test_embedding_lru_serves_repeats_and_stays_within_its_cap(oracle, info, redis_url, make_engine):
+    engine = make_engine(embedding_cache_mb=1, prefix_cache_mb=0)
+    case = Case(oracle, info, redis_url, user("Once.", SQUARE), max_new_tokens=1)
+    engine.run(case.request(), GREEDY)
+    EmbeddingStore(redis_url).delete([case.refs[0].store_key])  # now only the LRU has it
+    engine.run(case.request(), GREEDY)
+    stats = engine.embeddings.stats()
+    assert (stats.hits, stats.misses, stats.num_entries) == (1, 1, 1)
+    assert 0 < stats.num_bytes <= stats.capacity_bytes == 1 << 20
+
+
+def test_missing_embedding_is_failed_precondition(oracle, info, redis_url, make_engine):
+    import grpc
+
+    from epd import rpc
+
+    engine = make_engine(embedding_cache_mb=0)
+    case = Case(oracle, info, redis_url, user("Gone.", WIDE), max_new_tokens=1)
+    EmbeddingStore(redis_url).delete([case.refs[0].store_key])
+    with pytest.raises(rpc.RpcFailure) as raised:
+        engine.run(case.request(), GREEDY)
+    assert raised.value.code is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_short_prompt_is_not_stuck_behind_a_long_one(oracle, info, redis_url, make_engine):
+    engine = make_engine(chunk_tokens=32, prefix_cache_mb=0)
+    long_case = Case(oracle, info, redis_url, user("word " * 1500), max_new_tokens=1)
+    short_case = Case(oracle, info, redis_url, user("Hi"), max_new_tokens=1)
+    finished: dict[str, float] = {}
+
+    def run(name, case):
+        engine.run(case.request(), GREEDY)
+        finished[name] = time.perf_counter()
+
+    long_thread = threading.Thread(target=run, args=("long", long_case))
+    long_thread.start()
+    while not len(engine._scheduler):  # the long prompt is running
+        time.sleep(0.001)
+    run("short", short_case)
+    long_thread.join()
+    assert finished["short"] < finished["long"]
