@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -240,15 +241,12 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_bench_decode_step(args) -> int:
-    try:
-        from epd.decode_step import run_decode_step_bench
-    except ModuleNotFoundError as error:
-        if error.name != "epd.decode_step":
-            raise
-        print("epd bench decode-step: this build has no epd.decode_step module", file=sys.stderr)
+    from epd.decode_step import run_decode_step_bench
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"epd bench decode-step: {args.model!r} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    result = run_decode_step_bench(args.model, args.batch_sizes, args.dtype, args.json_path)
-    print(json.dumps(result, indent=2))
+    run_decode_step_bench(args.model, args.batch_sizes, args.dtype, args.json_path)  # prints its table
     return 0
 
 

@@ -1,0 +1,35 @@
+"""`epd bench decode-step` on the tiny checkpoint: a complete, sane report (not a speed check)."""
+
+from __future__ import annotations
+
+import json
+
+from epd import cli
+from epd.decode_step import weight_bytes_per_step
+from epd.lm import TextModelRunner
+
+
+def test_decode_step_report_is_complete_and_consistent(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert cli.main(["bench", "decode-step", "--model", tiny_model_dir, "--batch-sizes", "1,4",
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "x floor" in capsys.readouterr().out  # the table
+    runner = TextModelRunner.load(tiny_model_dir)
+    assert report["weight_bytes_per_step"] == weight_bytes_per_step(runner)
+    # every weight once, the tied LM head counted once as the head (the embedding lookup is not a read of it)
+    params = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert report["weight_bytes_per_step"] == params
+    assert report["gemv_bandwidth_gb_s"] > 0.1
+    assert abs(report["floor_s"] - report["weight_bytes_per_step"] / (report["gemv_bandwidth_gb_s"] * 1e9)) < 1e-9
+    assert [row["batch_size"] for row in report["steps"]] == [1, 4]
+    for row in report["steps"]:
+        assert row["step_s"] > 0
+        assert abs(row["ratio_to_floor"] - row["step_s"] / report["floor_s"]) < 1e-9
+    assert report["steps"][0]["ratio_to_batch1"] == 1.0
+    assert report["machine"]["cpus"] >= 1 and report["dtype"] == "float32"
+
+
+def test_decode_step_rejects_a_missing_model(tmp_path, capsys):
+    assert cli.main(["bench", "decode-step", "--model", str(tmp_path), "--batch-sizes", "1"]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
