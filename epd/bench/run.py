@@ -174,12 +174,12 @@ def _run_epd(config: BenchConfig, workload: Workload):
                             timeout_s=config.timeout_s)
     if config.addr:
         return LoadRunner(config.addr, settings).run(workload)
-    from epd.config import DecodeConfig, EncodeConfig, LMConfig, ServeConfig
+    from epd.config import DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
     from epd.serve import LocalStack
 
     stack = LocalStack(ServeConfig(
-        model_dir=config.model_dir, encode=EncodeConfig(num_replicas=config.encoders),
-        prefill=LMConfig(dtype=config.dtype), decode=DecodeConfig(dtype=config.dtype),
+        model_dir=config.model_dir, encode=EncodeConfig(num_replicas=config.encoders, dtype=config.dtype),
+        prefill=PrefillConfig(dtype=config.dtype), decode=DecodeConfig(dtype=config.dtype),
     ))
     try:
         return LoadRunner(stack.start(), settings).run(workload)
