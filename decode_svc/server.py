@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 
 import grpc
-import torch
 
 from decode_svc.engine import DecodeEngine, TokenEvent
 from epd import handoff, rpc
@@ -13,6 +12,7 @@ from epd.lm import TextModelRunner
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import logprobs_to_proto, sampling_from_proto
+from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 _MAX_BATCH_WAIT_S = 0.02  # how long a stream waits to group more tokens into one message
@@ -70,8 +70,7 @@ class DecodeServer(rpc.RoleServer):
 
     def __init__(self, model_dir: str, dtype: str = "float32", lease_s: float = 30.0,
                  num_threads: int = 0, host: str = "127.0.0.1", max_batch_size: int = 32) -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        configure_threads(num_threads)
         info = ModelInfo.load(model_dir)
         runner = TextModelRunner.load(model_dir, dtype=dtype)
         self.engine = DecodeEngine(runner, info.eos_token_ids, lease_s, max_batch_size)

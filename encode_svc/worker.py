@@ -28,7 +28,7 @@ import torch
 
 from epd import checkpoint, imaging
 from epd.store import Embedding, EmbeddingStore
-from epd.tensors import default_device, parse_dtype
+from epd.tensors import configure_threads, default_device, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ class EncoderWorker:
 
     def __init__(self, model_dir: str, redis_url: str, ttl_s: int, max_decoded_pixels: int, num_threads: int = 0,
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES, dtype: str = "float32") -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        configure_threads(num_threads)
         if max_batch_patches < 1:
             raise ValueError(f"max_batch_patches must be at least 1, got {max_batch_patches}")
         self.vision = checkpoint.build_vision_model(model_dir, dtype=parse_dtype(dtype), device=default_device())

@@ -64,6 +64,10 @@ class LocalStack:
         # A local Ray binds the machine's interface address unless this is 0: keep it on loopback.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Roles share this machine's cores: idle OpenMP threads must sleep, not spin on a core
+        # another role is computing on (spinning made co-located prefill ~10x slower). Workers
+        # inherit it from the raylet this starts.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace="epd",
                  configure_logging=False)
         self._ray_started = True

@@ -58,6 +58,21 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(tuple(shape))
 
 
+def configure_threads(num_threads: int = 0) -> int:
+    """Set this process's torch threads: ``num_threads``, or with 0 every core it may run on.
+
+    Ray starts actors with OMP_NUM_THREADS=1, which would leave a role that has the machine's
+    cores to itself on one of them. Co-located roles share cores instead; the launcher sets
+    OMP_WAIT_POLICY=PASSIVE for them so idle OpenMP threads sleep rather than spin on a core
+    another role needs.
+    """
+    import os
+
+    count = num_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(count)
+    return count
+
+
 def default_device() -> str:
     """CUDA when this process sees a GPU, else CPU: the same code serves both."""
     return "cuda" if torch.cuda.is_available() else "cpu"

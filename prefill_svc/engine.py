@@ -29,6 +29,7 @@ from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs, logprobs_to_proto, sample, sampling_from_proto
 from epd.store import EmbeddingStore
+from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
@@ -335,8 +336,7 @@ class PrefillServer(rpc.RoleServer):
     def __init__(self, model_dir: str, redis_url: str, decode_addr: str, config: PrefillConfig | None = None,
                  host: str = "127.0.0.1") -> None:
         config = config or PrefillConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        configure_threads(config.num_threads)
         info = ModelInfo.load(model_dir)
         runner = TextModelRunner.load(model_dir, dtype=config.dtype)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(redis_url), config)
