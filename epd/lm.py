@@ -421,9 +421,7 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
     z = gdn.in_proj_z(x).reshape(size, 1, -1, gdn.head_v_dim)
     beta = gdn.in_proj_b(x).sigmoid()
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    weight = gdn.conv1d.weight.squeeze(1)
-    mixed = qm.causal_conv1d_update(mixed, batch.conv[index][:size], weight, gdn.conv1d.bias, gdn.activation)
-    mixed = mixed.transpose(1, 2)
+    mixed = _conv_step(mixed[..., 0], batch.conv[index][:size], gdn.conv1d, gdn.activation).unsqueeze(1)
     query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
     query = query.reshape(size, 1, -1, gdn.head_k_dim)
     key = key.reshape(size, 1, -1, gdn.head_k_dim)
@@ -431,6 +429,18 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
     core = _gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(size, 1, -1))
+
+
+def _conv_step(x: torch.Tensor, window: torch.Tensor, conv: torch.nn.Conv1d, activation: str) -> torch.Tensor:
+    """One token of the depthwise causal conv: shift ``x [B, C]`` into ``window [B, C, K]`` (in
+    place) and return the activated output ``[B, C]``. A multiply-and-sum over the K taps: a
+    depthwise conv1d call costs far more than its arithmetic at one token."""
+    window[..., :-1] = window[..., 1:].clone()
+    window[..., -1] = x.to(window.dtype)
+    out = (window * conv.weight[:, 0]).sum(dim=-1)
+    if conv.bias is not None:
+        out = out + conv.bias
+    return qm.ACT2FN[activation](out).to(x.dtype)
 
 
 def _gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
