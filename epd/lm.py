@@ -437,9 +437,9 @@ def _conv_step(x: torch.Tensor, window: torch.Tensor, conv: torch.nn.Conv1d, act
     depthwise conv1d call costs far more than its arithmetic at one token."""
     window[..., :-1] = window[..., 1:].clone()
     window[..., -1] = x.to(window.dtype)
-    out = (window * conv.weight[:, 0]).sum(dim=-1)
+    out = (window.float() * conv.weight[:, 0].float()).sum(dim=-1)  # float32 accumulation in any dtype
     if conv.bias is not None:
-        out = out + conv.bias
+        out = out + conv.bias.float()
     return qm.ACT2FN[activation](out).to(x.dtype)
 
 
