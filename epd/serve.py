@@ -30,10 +30,15 @@ class LocalStack:
         self.redis_url = self.config.store.redis_url or ""
         self.controller = None
         self.addresses: dict[str, str] = {}
+        self.ray_address = ""
         self._ray_started = False
 
     def start(self) -> str:
         """Bring everything up; returns the router's address once every role is SERVING."""
+        # A local Ray binds the machine's interface address unless this is 0 when ray is first
+        # imported: keep it on loopback.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from epd.cluster import create_controller
 
         try:
@@ -70,12 +75,10 @@ class LocalStack:
     def _start_ray(self) -> None:
         import ray
 
-        # A local Ray binds the machine's interface address unless this is 0: keep it on loopback.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
                  configure_logging=False)
         self._ray_started = True
+        self.ray_address = ray.get_runtime_context().gcs_address
 
     def stop(self) -> None:
         if self._ray_started:
