@@ -249,7 +249,7 @@ def _cmd_status(args) -> int:
             status["placements"] = cluster.placements(args.namespace)
         except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
             status["placements"] = []
-            print(f"epd status: no placements from Ray's state API ({type(error).__name__}); "
+            print(f"epd status: no placements from Ray's state API ({type(error).__name__}: {error}); "
                   "start the head with its dashboard to see them", file=sys.stderr)
     finally:
         ray.shutdown()

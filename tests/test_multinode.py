@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -117,7 +118,10 @@ class _quiet:
 
 
 @pytest.fixture
-def hosts(tmp_path):
+def hosts(tmp_path, monkeypatch):
+    # The test cluster's own token (Ray 2.60 token auth), inherited by every process it starts.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     tag = str(os.getpid() % 100000)
     hosts = TwoHosts(tag)
     try:
@@ -180,6 +184,7 @@ def test_roles_spread_over_two_hosts_by_resource_and_answers_match(hosts, tiny_m
     out = _epd(hosts, "status", "--address", head, "--namespace", "epdtest", "--json", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     status = json.loads(out.stdout.strip().splitlines()[-1])
+    assert status["placements"], f"Ray's state API gave no placements: {out.stderr[-3000:]}"
     where = {row["name"]: row["node_ip"] for row in status["placements"]}
     expected_host = {"encoder": "b", "encode": "b", "decode": "b", "prefill": "a", "router": "a"}
     for role, host in expected_host.items():
