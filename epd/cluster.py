@@ -27,13 +27,11 @@ import ray
 
 from epd import discovery, rpc
 from epd.autoscale import AutoscalePolicy, Decision
-from epd.config import SCALABLE_ROLES, DeployConfig
+from epd.config import ROLES, SCALABLE_ROLES, DeployConfig
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
-# Which role consumes (watches) each role's endpoints: a drain of ``role`` waits for these.
-_CONSUMER_OF = {"encoder": "encode", "encode": "router", "prefill": "router", "decode": "prefill", "router": None}
 
 
 class Controller:
@@ -43,9 +41,9 @@ class Controller:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = config
         self.registry = ray.remote(discovery.Registry).options(name=discovery.REGISTRY_NAME, num_cpus=0).remote()
-        self._replicas: dict[str, dict[str, ray.actor.ActorHandle]] = {role: {} for role in _CONSUMER_OF}
+        self._replicas: dict[str, dict[str, ray.actor.ActorHandle]] = {role: {} for role in ROLES}
         self._lock = threading.Lock()
-        self._role_locks = {role: threading.Lock() for role in _CONSUMER_OF}
+        self._role_locks = {role: threading.Lock() for role in ROLES}
         self._seq = itertools.count()
         self._stop = threading.Event()
         self.decisions: list[dict] = []
@@ -93,7 +91,7 @@ class Controller:
     def status(self) -> dict:
         """Replicas per role (name, address, node, draining), autoscaling and the metrics address."""
         _, endpoints = ray.get(self.registry.snapshot.remote())
-        roles = {role: [] for role in _CONSUMER_OF}
+        roles = {role: [] for role in ROLES}
         for e in endpoints:
             roles[e.role].append({"name": e.name, "address": e.address, "node_id": e.node_id, "draining": e.draining})
         return {"namespace": self.config.namespace, "roles": roles, "metrics": self.metrics.address,
@@ -190,11 +188,12 @@ class Controller:
         with self._lock:
             handles = {name: self._replicas[role][name] for name in names}
         version = max(ray.get([self.registry.drain.remote(name) for name in names]))
-        consumer = _CONSUMER_OF[role]
         deadline = time.monotonic() + self.config.drain_timeout_s
-        if consumer and not discovery.wait_until(lambda: ray.get(self.registry.acked.remote(consumer, version)),
-                                                 self.config.drain_timeout_s):
-            log.warning("not every %s acknowledged the drain of %s; removing anyway", consumer, names)
+        # Every watcher of this role (the Encoder services for encoders, routers for prefill,
+        # prefill for decode) must have applied the drain before "idle" means "done".
+        if not discovery.wait_until(lambda: ray.get(self.registry.acked.remote(role, version)),
+                                    self.config.drain_timeout_s):
+            log.warning("not every watcher of %s acknowledged the drain of %s; removing anyway", role, names)
         for name in names:
             idle = discovery.wait_until(lambda: self._held(role, name, handles[name]) == 0,
                                         max(0.0, deadline - time.monotonic()))

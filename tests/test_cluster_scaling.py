@@ -80,6 +80,28 @@ class Load:
                 with self.lock:
                     self.failures.append(error)
 
+    def burst(self, num_requests: int, images_per_request: int) -> None:
+        """``num_requests`` concurrent requests now, each with fresh images; waits for them."""
+        def one():
+            with self.lock:
+                seeds = [next(self.seeds) for _ in range(images_per_request)]
+            images = [make_image(self.size, self.size, seed=s) for s in seeds]
+            prompt = f"Describe {len(images)} pictures."
+            try:
+                result = client.generate(self.address, client.user_request(
+                    prompt, images, max_tokens=self.max_tokens, temperature=0.0), timeout_s=300)
+                with self.lock:
+                    self.done.append((prompt, images, result.token_ids))
+            except BaseException as error:  # noqa: BLE001
+                with self.lock:
+                    self.failures.append(error)
+
+        threads = [threading.Thread(target=one) for _ in range(num_requests)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+
     def wait_for(self, count: int, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.done) < count and not self.failures and time.monotonic() < deadline:
@@ -112,6 +134,7 @@ def test_scale_encoders_1_3_1_while_requests_run(scalable, oracle):
         load.wait_for(at_three + 4)
         down = epd("scale", "--address", ray_address, "encoders", "1")
         assert down.returncode == 0, down.stderr
+        load.burst(num_requests=3, images_per_request=3)  # at once: nothing may still pick a removed replica
         assert encoder_count(ray_address) == 1
         load.wait_for(len(load.done) + 2)
     finally:
