@@ -77,6 +77,11 @@ class DecodeServer(rpc.RoleServer):
         servicer = DecodeServicer(self.engine)
         self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, servicer, "epd.v1.Decode", host)
 
+    def in_flight(self) -> int:
+        """Calls running plus requests handed off and not yet finished: a drained decode holds
+        no request a router could still come to stream."""
+        return super().in_flight() + len(self.engine.scheduler.requests)
+
     def stop(self) -> None:
         super().stop()
         self.engine.stop()

@@ -160,3 +160,168 @@ class ServeConfig:
         _check(os.path.isfile(os.path.join(self.model_dir, "config.json")), "model_dir",
                f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
                "create one with `epd model create --preset tiny --out DIR`")
+
+
+# ---------------------------------------------------------------- deployment on a Ray cluster
+
+ROLES = ("encoder", "encode", "prefill", "decode", "router")
+"""The roles a deployment places: encoder replicas (Ray actors), the Encoder gRPC service in
+front of them, prefill, decode and the router."""
+
+SCALABLE_ROLES = ("encoder", "prefill", "decode", "router")
+
+BIND_CHOICES = ("loopback", "node")
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    """What one replica of a role asks Ray for; Ray places it on a node that has it."""
+
+    num_cpus: float = 0.0
+    """CPUs reserved per replica. 0 shares the node's cores (one machine, small roles)."""
+    num_gpus: float = 0.0
+    """GPUs per replica (fractions share a GPU)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources per replica, e.g. ``{"epd_encoder": 1}``: only nodes started with that
+    resource (``ray start --resources``, or ``resources:`` of a node type in a ``ray up`` file)
+    take the role."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.num_cpus <= 1024, "num_cpus", f"must be in [0, 1024], got {self.num_cpus}")
+        _check(0 <= self.num_gpus <= 64, "num_gpus", f"must be in [0, 64], got {self.num_gpus}")
+        for name, amount in self.resources.items():
+            _check(isinstance(name, str) and name and name not in ("CPU", "GPU", "memory"), "resources",
+                   f"custom resource names must be non-empty and not CPU/GPU/memory, got {name!r}")
+            _check(isinstance(amount, (int, float)) and 0 < amount <= 1 << 20, f"resources.{name}",
+                   f"must be in (0, 1048576], got {amount!r}")
+
+    def ray_options(self) -> dict:
+        options: dict = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Encoder autoscaling: replicas between ``min_replicas`` and ``max_replicas`` by queue depth."""
+
+    enabled: bool = False
+    """Off: the encoder count is what ``--encoders`` / ``epd scale`` set."""
+    min_replicas: int = 1
+    """The fewest encoder replicas; the count falls back here after ``cooldown_s`` of low load."""
+    max_replicas: int = 4
+    """The most encoder replicas; a new one waits for the cluster to have its resources."""
+    target_queue_per_replica: float = 2.0
+    """Images queued or running per replica the autoscaler aims for (the load signal)."""
+    cooldown_s: float = 30.0
+    """Seconds of load below target before replicas are removed, and the least time between
+    two scale-downs."""
+    interval_s: float = 1.0
+    """Seconds between two looks at the load."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.min_replicas <= 256, "autoscale.min_replicas", f"must be in [1, 256], got {self.min_replicas}")
+        _check(self.min_replicas <= self.max_replicas <= 256, "autoscale.max_replicas",
+               f"must be in [min_replicas={self.min_replicas}, 256], got {self.max_replicas}")
+        _check(0.1 <= self.target_queue_per_replica <= 1024, "autoscale.target_queue_per_replica",
+               f"must be in [0.1, 1024], got {self.target_queue_per_replica}")
+        _check(0 <= self.cooldown_s <= 86400, "autoscale.cooldown_s", f"must be in [0, 86400], got {self.cooldown_s}")
+        _check(0.05 <= self.interval_s <= 3600, "autoscale.interval_s", f"must be in [0.05, 3600], got {self.interval_s}")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """A deployment on a Ray cluster (``epd deploy``) or on a fresh local Ray (``epd serve``)."""
+
+    serve: ServeConfig
+    """The roles' own settings (model, store, per-role knobs)."""
+    num_prefill: int = 1
+    """Prefill replicas, each a gRPC server the router balances over."""
+    num_decode: int = 1
+    """Decode replicas; prefill hands each request to the one with the fewest in flight."""
+    num_routers: int = 1
+    """Router replicas (the public entry points)."""
+    bind: str = "loopback"
+    """Where role servers listen: ``loopback`` (one machine) or ``node`` (the Ray node's IP, so
+    roles on other nodes reach them)."""
+    namespace: str = "epd"
+    """Ray namespace of the deployment's named actors; two deployments on one cluster differ here."""
+    resources: dict[str, RoleResources] = field(default_factory=lambda: {role: RoleResources() for role in ROLES})
+    """Ray resources per role (see ``deploy/roles.toml``)."""
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    metrics_port: int = 0
+    """Port of the controller's Prometheus endpoint; 0 picks a free one."""
+    poll_s: float = 0.25
+    """How often a role re-reads the registry for endpoints that joined or left."""
+    drain_timeout_s: float = 600.0
+    """A replica being removed gets this long to finish what it holds before it is killed."""
+    start_timeout_s: float = 900.0
+    """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "num_routers"):
+            value = getattr(self, name)
+            _check(1 <= value <= 256, name, f"must be in [1, 256], got {value}")
+        _check(self.bind in BIND_CHOICES, "bind", f"must be one of {BIND_CHOICES}, got {self.bind!r}")
+        _check(bool(self.namespace) and self.namespace.replace("-", "").replace("_", "").isalnum(), "namespace",
+               f"must be letters, digits, - or _, got {self.namespace!r}")
+        unknown = set(self.resources) - set(ROLES)
+        _check(not unknown, "resources", f"unknown roles {sorted(unknown)}; roles are {ROLES}")
+        _check(0 <= self.metrics_port <= 65535, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        _check(0.01 <= self.poll_s <= 60, "poll_s", f"must be in [0.01, 60], got {self.poll_s}")
+        _check(1 <= self.drain_timeout_s <= 86400, "drain_timeout_s", f"must be in [1, 86400], got {self.drain_timeout_s}")
+        _check(1 <= self.start_timeout_s <= 86400, "start_timeout_s", f"must be in [1, 86400], got {self.start_timeout_s}")
+        if self.bind == "node":
+            _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,
+                   "store.redis_url", "a deployment bound to node addresses needs a TCP Redis every node can reach "
+                   "(--redis redis://HOST:PORT/0)")
+        if self.autoscale.enabled:
+            n = self.serve.encode.num_replicas
+            _check(self.autoscale.min_replicas <= n <= self.autoscale.max_replicas, "encode.num_replicas",
+                   f"must be within the autoscale bounds [{self.autoscale.min_replicas}, "
+                   f"{self.autoscale.max_replicas}], got {n}")
+
+    def role_resources(self, role: str) -> RoleResources:
+        return self.resources.get(role, RoleResources())
+
+    def replicas(self, role: str) -> int:
+        return {"encoder": self.serve.encode.num_replicas, "prefill": self.num_prefill,
+                "decode": self.num_decode, "router": self.num_routers, "encode": 1}[role]
+
+
+def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConfig]:
+    """Read a TOML deploy file: ``[roles.<role>]`` tables of resources and an ``[autoscale]`` table.
+
+    Unknown keys are errors that name the key, so a typo never silently places a role anywhere.
+    """
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as error:
+        raise ConfigError(f"deploy file {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"deploy file {path}: {error}") from None
+    _check(set(data) <= {"roles", "autoscale"}, path, f"unknown tables {sorted(set(data) - {'roles', 'autoscale'})}; "
+           "expected [roles.<role>] and [autoscale]")
+    resources = {}
+    for role, table in data.get("roles", {}).items():
+        _check(role in ROLES, f"{path}: roles", f"unknown role {role!r}; roles are {ROLES}")
+        allowed = {"num_cpus", "num_gpus", "resources"}
+        _check(set(table) <= allowed, f"{path}: roles.{role}", f"unknown keys {sorted(set(table) - allowed)}")
+        try:
+            resources[role] = RoleResources(**table)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: roles.{role}.{error}") from None
+    allowed = set(AutoscaleConfig.__dataclass_fields__)
+    table = data.get("autoscale", {})
+    _check(set(table) <= allowed, f"{path}: autoscale", f"unknown keys {sorted(set(table) - allowed)}")
+    try:
+        autoscale = AutoscaleConfig(**table)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    return resources, autoscale

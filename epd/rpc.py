@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -81,15 +82,74 @@ def stream_errors(method: Callable) -> Callable:
     return wrapper
 
 
+NODE_ADDRESS = "node"
+"""A host value meaning "this Ray node's IP": servers that roles on other nodes must reach bind it."""
+
+
+def resolve_host(host: str) -> str:
+    if host != NODE_ADDRESS:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class InFlightCounter(grpc.ServerInterceptor):
+    """Counts the calls a server is running (health checks aside), streams until they end: a
+    replica being removed exits only when this reaches zero."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self.count += delta
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc.health."):
+            return handler
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
+
+    def _wrap_unary(self, behaviour: Callable) -> Callable:
+        def wrapped(request, context):
+            self._add(1)
+            try:
+                return behaviour(request, context)
+            finally:
+                self._add(-1)
+
+        return wrapped
+
+    def _wrap_stream(self, behaviour: Callable) -> Callable:
+        def wrapped(request, context):
+            self._add(1)
+            try:
+                yield from behaviour(request, context)
+            finally:
+                self._add(-1)
+
+        return wrapped
+
+
 def start_server(
-    services: Iterable[tuple[Callable, object, str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32
+    services: Iterable[tuple[Callable, object, str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
+    interceptors: Iterable[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int]:
     """Start a server with the given services plus grpc.health.v1; returns it and its bound port.
 
     ``services`` holds ``(add_XServicer_to_server, servicer, full service name)``; the health
     service reports each name (and the server as a whole) SERVING once it is started.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+                         interceptors=list(interceptors))
     names = []
     for add, servicer, name in services:
         add(servicer, server)
@@ -113,11 +173,22 @@ class RoleServer:
     server: grpc.Server
 
     def _serve(self, add: Callable, servicer: object, name: str, host: str, port: int = 0) -> None:
-        self.host = host
-        self.server, self.port = start_server([(add, servicer, name)], host=host, port=port)
+        self.host = resolve_host(host)
+        self._in_flight = InFlightCounter()
+        self.server, self.port = start_server([(add, servicer, name)], host=self.host, port=port,
+                                              interceptors=[self._in_flight])
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def in_flight(self) -> int:
+        """Calls this server is still running: a replica being drained exits at zero."""
+        return self._in_flight.count
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def stop(self) -> None:
         self.server.stop(grace=1).wait()

@@ -23,6 +23,7 @@ import torch
 
 from epd import handoff, positions, rpc
 from epd.config import PrefillConfig
+from epd.discovery import DecodeTargets
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge, serve_metrics
 from epd.modelinfo import ModelInfo
@@ -290,10 +291,9 @@ def _last_index(token_ids: list[int], token: int | None) -> int | None:
 
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, decode_addr: str) -> None:
+    def __init__(self, engine: PrefillEngine, decode: DecodeTargets) -> None:
         self.engine = engine
-        self.decode_addr = decode_addr
-        self._decode = epd_pb2_grpc.DecodeStub(rpc.channel(decode_addr))
+        self._decode = decode  # the decode replicas; each handoff goes to the least busy one
 
     @rpc.unary_errors
     def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
@@ -321,25 +321,34 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             deadline_unix=request.deadline_unix,
         )
         try:
-            self._decode.Handoff(handoff.chunks(header, result.state), timeout=context.time_remaining())
+            decode_addr = self._decode.handoff(handoff.chunks(header, result.state), timeout=context.time_remaining())
         except grpc.RpcError as error:
             raise rpc.RpcFailure.from_rpc_error(error, "decode handoff") from None
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()
-        reply.decode_addr = self.decode_addr
+        reply.decode_addr = decode_addr
         return reply
 
 
 class PrefillServer(rpc.RoleServer):
     """Hosts the Prefill service in its own process (a Ray actor made by the launcher)."""
 
-    def __init__(self, model_dir: str, redis_url: str, decode_addr: str, config: PrefillConfig | None = None,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(self, model_dir: str, redis_url: str, decode_addr: str = "", config: PrefillConfig | None = None,
+                 host: str = "127.0.0.1", *, registry=None, name: str = "prefill", poll_s: float = 0.25) -> None:
+        """Hands off to ``decode_addr``, or, given a registry, to the decode replicas it lists."""
         config = config or PrefillConfig()
         configure_threads(config.num_threads)
         info = ModelInfo.load(model_dir)
         runner = TextModelRunner.load(model_dir, dtype=config.dtype)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(redis_url), config)
-        servicer = PrefillServicer(self.engine, decode_addr)
+        self._decode = DecodeTargets(registry, decode_addr, watcher=name, poll_s=poll_s)
+        servicer = PrefillServicer(self.engine, self._decode)
         self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", host)
         self._metrics = serve_metrics(self.engine.metrics, host, config.metrics_port)
+
+    def stop(self) -> None:
+        self._decode.close()
+        super().stop()
+        self.engine.stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()

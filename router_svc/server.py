@@ -18,6 +18,7 @@ import grpc
 
 from epd import rpc
 from epd.config import RouterConfig
+from epd.discovery import EncoderTargets, PrefillTargets
 from epd.metrics import Family, counter, gauge, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
@@ -31,13 +32,13 @@ from router_svc.text import TextStream
 
 class RouterServicer(epd_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
-                 encoder_addr: str, prefill_addr: str) -> None:
+                 encoder: EncoderTargets, prefill: PrefillTargets) -> None:
         self.config = config
         self.builder = builder
         self.store = store
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
-        self._encoder = epd_pb2_grpc.EncoderStub(rpc.channel(encoder_addr))
-        self._prefill = epd_pb2_grpc.PrefillStub(rpc.channel(prefill_addr))
+        self._encoder = encoder  # Encode() goes to the least busy Encoder service (epd.discovery)
+        self._prefill = prefill  # Prefill() goes to the least busy prefill replica
         self._decode_stubs: dict[str, epd_pb2_grpc.DecodeStub] = {}
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0}
@@ -301,9 +302,21 @@ class RouterServer(rpc.RoleServer):
     """Hosts the Router service in its own process (a Ray actor made by the launcher)."""
 
     def __init__(self, model_dir: str, redis_url: str, encoder_addr: str, prefill_addr: str,
-                 config: RouterConfig, max_decoded_pixels: int) -> None:
+                 config: RouterConfig, max_decoded_pixels: int, *, registry=None, name: str = "router",
+                 poll_s: float = 0.25) -> None:
+        """Calls the fixed ``encoder_addr`` and ``prefill_addr``, or, given a registry, the Encoder
+        services and prefill replicas it lists from moment to moment."""
         info = ModelInfo.load(model_dir)
         builder = PromptBuilder.load(model_dir, info, max_decoded_pixels)
-        servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), encoder_addr, prefill_addr)
+        self._targets = [EncoderTargets(registry, encoder_addr, watcher=name, poll_s=poll_s),
+                         PrefillTargets(registry, prefill_addr, watcher=name, poll_s=poll_s)]
+        servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), *self._targets)
         self._serve(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router", config.host, config.port)
         self._metrics = serve_metrics(servicer.metrics, config.host, config.metrics_port)
+
+    def stop(self) -> None:
+        for targets in self._targets:
+            targets.close()
+        super().stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()

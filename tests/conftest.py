@@ -35,8 +35,10 @@ class ServeProcess:
 
     def _wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
+        self.lines: list[str] = []  # what it printed before it was ready (the local Ray's address)
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
+            self.lines.append(line)
             if line.startswith(READY_PREFIX):
                 return line[len(READY_PREFIX):].strip()
             if not line and self.proc.poll() is not None:

@@ -1,0 +1,107 @@
+"""Encoder scaling benchmark: encode-bound throughput and multi-image TTFT at several replica counts.
+
+    python -m epd.bench_encoders --model DIR --replicas 1,2 --images 32 --size 448x448
+
+One local stack (``epd serve``'s: local Ray, embedded Redis) with as many encoder replicas as the
+largest count, each replica limited to ``--threads`` torch threads (default 1, so N replicas use N
+cores and the comparison is about replicas, not threads). For each count, largest first (the
+stack is scaled down between runs with the same drain ``epd scale`` uses):
+
+- throughput: ``--images`` fresh images sent to the Encoder service as concurrent one-image calls;
+  images per second over the wall time (the encoders' own work: decode, resize, ViT, store write);
+- TTFT: a request with ``--ttft-images`` fresh images through the router (max_tokens 1), so its
+  images are split over the replicas and encoded in parallel; the median of ``--ttft-runs``.
+
+Fresh images every time: a store hit would skip the encoders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from epd import client, rpc
+from epd.config import DeployConfig, EncodeConfig, ServeConfig
+from epd.synthetic import make_image
+from epd.v1 import epd_pb2, epd_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m epd.bench_encoders", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts")
+    parser.add_argument("--images", type=int, default=32, help="images per throughput run")
+    parser.add_argument("--size", default="448x448", help="WIDTHxHEIGHT of every image")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per encoder replica")
+    parser.add_argument("--concurrency", type=int, default=0, help="Encode calls in flight (0: 2 per replica)")
+    parser.add_argument("--ttft-images", type=int, default=4)
+    parser.add_argument("--ttft-runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    counts = sorted({int(n) for n in args.replicas.split(",")}, reverse=True)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    seeds = itertools.count(1_000_000)
+
+    from epd.serve import LocalStack
+
+    config = DeployConfig(serve=ServeConfig(model_dir=args.model,
+                                            encode=EncodeConfig(num_replicas=counts[0], num_threads=args.threads)))
+    stack = LocalStack(config)
+    rows = []
+    try:
+        router = stack.start()
+        import ray
+
+        status = ray.get(stack.controller.status.remote())
+        encoder = epd_pb2_grpc.EncoderStub(rpc.channel(status["roles"]["encode"][0]["address"]))
+        for count in counts:
+            ray.get(stack.controller.scale.remote("encoder", count))
+            concurrency = args.concurrency or 2 * count
+            _encode(encoder, [make_image(width, height, seed=next(seeds)) for _ in range(2 * count)], concurrency)
+            images = [make_image(width, height, seed=next(seeds)) for _ in range(args.images)]
+            wall = _encode(encoder, images, concurrency)
+            ttfts = []
+            for _ in range(args.ttft_runs):
+                request_images = [make_image(width, height, seed=next(seeds)) for _ in range(args.ttft_images)]
+                result = client.generate(router, client.user_request("Describe them.", request_images, max_tokens=1))
+                ttfts.append(result.summary.ttft_s)
+            rows.append((count, args.images, wall, args.images / wall, statistics.median(ttfts)))
+            print(f"replicas={count} done: {args.images / wall:.2f} images/s, "
+                  f"ttft({args.ttft_images} images)={statistics.median(ttfts) * 1000:.0f} ms", file=sys.stderr)
+    finally:
+        stack.stop()
+    _print_table(rows, args, width, height)
+    return 0
+
+
+def _encode(encoder: epd_pb2_grpc.EncoderStub, images: list[bytes], concurrency: int) -> float:
+    """Encode ``images`` as concurrent one-image calls; returns the wall time."""
+    def one(index_and_data):
+        index, data = index_and_data
+        key = f"epd:emb:v1:bench:{hashlib.sha256(data).hexdigest()}"  # a fresh image: a fresh key
+        reply = encoder.Encode(epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=key, data=data)]), timeout=600)
+        if reply.images[0].error:
+            raise RuntimeError(reply.images[0].error)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, enumerate(images)))
+    return time.perf_counter() - start
+
+
+def _print_table(rows, args, width: int, height: int) -> None:
+    base = {r[0]: r for r in rows}.get(min(r[0] for r in rows))
+    print(f"encoder scaling: {args.images} images of {width}x{height}, {args.threads} torch thread(s) per replica")
+    print(f"{'replicas':>8} {'images':>6} {'wall_s':>8} {'images/s':>9} {'speedup':>8} "
+          f"{f'ttft_{args.ttft_images}img_ms':>15} {'ttft_speedup':>12}")
+    for count, num_images, wall, rate, ttft in sorted(rows):
+        print(f"{count:>8} {num_images:>6} {wall:>8.2f} {rate:>9.2f} {rate / base[3]:>7.2f}x "
+              f"{ttft * 1000:>15.0f} {base[4] / ttft:>11.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
