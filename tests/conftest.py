@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +63,26 @@ class ServeProcess:
             p.kill()
         self.log.close()
         return alive
+
+
+def ray_address(server: ServeProcess) -> str:
+    """The local Ray that `epd serve` started (it prints "ray at ADDRESS namespace NS")."""
+    for line in server.lines:
+        match = re.match(r"ray at (\S+) namespace", line)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"epd serve did not print its Ray address: {server.lines}")
+
+
+def epd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def epd_status(address: str) -> dict:
+    """`epd status --json` of the deployment on the Ray at ``address``."""
+    out = epd("status", "--address", address, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,14 @@ import redis
 
 from epd import client, rpc
 from epd.config import RouterConfig
+from epd.discovery import EncoderTargets, PrefillTargets
 from epd.modelinfo import ModelInfo
 from epd.redis_server import EmbeddedRedis
 from epd.store import EmbeddingStore
 from epd.synthetic import make_image
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from prefill_svc.caches import snapshot_points
-from tests.conftest import ServeProcess
+from tests.conftest import ServeProcess, epd_status, ray_address
 
 BLOCK = 16
 EVERY = 4
@@ -43,9 +44,8 @@ class Stack:
     def __init__(self, serve: ServeProcess, redis_url: str, router_metrics: int, prefill_metrics: int) -> None:
         self.serve, self.addr, self.redis_url = serve, serve.address, redis_url
         self.router_metrics, self.prefill_metrics = router_metrics, prefill_metrics
-        serve.log.flush()
-        with open(serve.log.name) as f:
-            self.role_addrs = dict(re.findall(r"(\w+) serving at (\S+)", f.read()))
+        roles = epd_status(ray_address(serve))["roles"]
+        self.role_addrs = {role: replicas[0]["address"] for role, replicas in roles.items() if replicas}
 
     def metrics(self, port: int) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -204,7 +204,8 @@ def test_eviction_between_check_and_read_costs_a_retry_not_a_failure(stack, orac
         epd_pb2_grpc.EncoderStub(chan).Encode(
             epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=key, data=image)]), timeout=60)
     store = EvictingStore(stack.redis_url)
-    servicer = RouterServicer(RouterConfig(), builder, store, stack.role_addrs["encode"], stack.role_addrs["prefill"])
+    servicer = RouterServicer(RouterConfig(), builder, store, EncoderTargets(fixed_address=stack.role_addrs["encode"]),
+                              PrefillTargets(fixed_address=stack.role_addrs["prefill"]))
     server, port = rpc.start_server([(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router")])
     try:
         result = client.generate(f"127.0.0.1:{port}", client.chat_request(messages, max_tokens=8), timeout_s=120)

@@ -20,29 +20,11 @@ import pytest
 
 from epd import client
 from epd.synthetic import make_image
-from tests.conftest import ServeProcess
-
-
-def _ray_address(server: ServeProcess) -> str:
-    for line in server.lines:
-        match = re.match(r"ray at (\S+) namespace", line)
-        if match:
-            return match.group(1)
-    raise AssertionError(f"epd serve did not print its Ray address: {server.lines}")
-
-
-def epd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "epd.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def status(ray_address: str) -> dict:
-    out = epd("status", "--address", ray_address, "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from tests.conftest import ServeProcess, epd, epd_status, ray_address
 
 
 def encoder_count(ray_address: str) -> int:
-    return len([r for r in status(ray_address)["roles"]["encoder"] if not r["draining"]])
+    return len([r for r in epd_status(ray_address)["roles"]["encoder"] if not r["draining"]])
 
 
 class Load:
@@ -123,19 +105,19 @@ def scalable(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.timeout(1800)
 def test_scale_encoders_1_3_1_while_requests_run(scalable, oracle):
-    ray_address = _ray_address(scalable)
+    address = ray_address(scalable)
     load = Load(scalable.address, num_clients=2, images_per_request=2, pause_s=1.0)
     try:
         load.wait_for(3)
-        up = epd("scale", "--address", ray_address, "encoders", "3")
+        up = epd("scale", "--address", address, "encoders", "3")
         assert up.returncode == 0, up.stderr
-        assert encoder_count(ray_address) == 3
+        assert encoder_count(address) == 3
         at_three = len(load.done)
         load.wait_for(at_three + 4)
-        down = epd("scale", "--address", ray_address, "encoders", "1")
+        down = epd("scale", "--address", address, "encoders", "1")
         assert down.returncode == 0, down.stderr
         load.burst(num_requests=3, images_per_request=3)  # at once: nothing may still pick a removed replica
-        assert encoder_count(ray_address) == 1
+        assert encoder_count(address) == 1
         load.wait_for(len(load.done) + 2)
     finally:
         load.finish()
@@ -146,10 +128,10 @@ def test_scale_encoders_1_3_1_while_requests_run(scalable, oracle):
 
 
 def test_scale_refuses_unknown_counts_and_roles(scalable):
-    ray_address = _ray_address(scalable)
-    out = epd("scale", "--address", ray_address, "encoders", "0")
+    address = ray_address(scalable)
+    out = epd("scale", "--address", address, "encoders", "0")
     assert out.returncode == 1 and "replica count must be in [1, 256], got 0" in out.stderr
-    out = epd("scale", "--address", ray_address, "--namespace", "nobody", "encoders", "2")
+    out = epd("scale", "--address", address, "--namespace", "nobody", "encoders", "2")
     assert out.returncode != 0 and "no epd deployment in namespace 'nobody'" in out.stderr
 
 
@@ -166,25 +148,25 @@ def test_encoders_autoscale_to_max_under_a_burst_and_back_to_min(tiny_model_dir,
     server = ServeProcess(tiny_model_dir, "--encoders", "1", "--config", str(config),
                           log_path=str(tmp_path / "autoscale.log"))
     try:
-        ray_address = _ray_address(server)
-        assert encoder_count(ray_address) == 1
+        address = ray_address(server)
+        assert encoder_count(address) == 1
         load = Load(server.address, num_clients=6, images_per_request=4, size=448)
         try:
             reached_max = False
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not load.failures:
-                if encoder_count(ray_address) == 3:
+                if encoder_count(address) == 3:
                     reached_max = True
                     break
                 time.sleep(0.5)
         finally:
             load.finish()
         assert load.failures == [], load.failures[:3]
-        assert reached_max, status(ray_address)["decisions"]
+        assert reached_max, epd_status(address)["decisions"]
         deadline = time.monotonic() + 120
-        while encoder_count(ray_address) != 1 and time.monotonic() < deadline:
+        while encoder_count(address) != 1 and time.monotonic() < deadline:
             time.sleep(1)
-        final = status(ray_address)
+        final = epd_status(address)
         assert len(final["roles"]["encoder"]) == 1, final["decisions"]
         directions = [d["direction"] for d in final["decisions"]]
         assert "up" in directions and directions[-1] == "down", final["decisions"]
