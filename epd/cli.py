@@ -441,7 +441,7 @@ def _cmd_status(args) -> int:
     try:
         status = ray.get(controller.status.remote())
         try:
-            status["placements"] = cluster.placements(args.namespace)
+            status["placements"] = cluster.placements(args.namespace, args.address)
         except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
             status["placements"] = []
             print(f"epd status: no placements from Ray's state API ({type(error).__name__}: {error}); "

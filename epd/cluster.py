@@ -326,14 +326,17 @@ def connect(address: str, namespace: str) -> ray.actor.ActorHandle:
         raise RuntimeError(f"no epd deployment in namespace {namespace!r} at {address}; run `epd deploy` first") from None
 
 
-def placements(namespace: str) -> list[dict]:
-    """Where each of the deployment's actors runs, from Ray's state API: name, state, node IP."""
+def placements(namespace: str, address: str | None = None) -> list[dict]:
+    """Where each of the deployment's actors runs, from Ray's state API: name, state, node IP.
+
+    ``address`` is the cluster's bootstrap address: name it whenever another Ray may run on this
+    machine, or the state API cannot tell which cluster is meant."""
     from ray.util.state import list_actors, list_nodes
 
-    nodes = {n.node_id: n for n in list_nodes(limit=10000)}
+    nodes = {n.node_id: n for n in list_nodes(address=address, limit=10000)}
     rows = []
-    for actor in list_actors(filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")], limit=10000,
-                             detail=True):
+    for actor in list_actors(address=address, filters=[("ray_namespace", "=", namespace), ("state", "=", "ALIVE")],
+                             limit=10000, detail=True):
         node = nodes.get(actor.node_id)
         rows.append({"name": actor.name, "class": actor.class_name, "node_id": actor.node_id,
                      "node_ip": node.node_ip if node else "",
