@@ -62,8 +62,8 @@ def configure_threads(num_threads: int = 0) -> int:
     """Set this process's torch threads: ``num_threads``, or with 0 every core it may run on.
 
     Ray starts actors with OMP_NUM_THREADS=1, which would leave a role that has the machine's
-    cores to itself on one of them. Co-located roles share cores instead; the launcher sets
-    OMP_WAIT_POLICY=PASSIVE for them so idle OpenMP threads sleep rather than spin on a core
+    cores to itself on one of them. Co-located roles share cores instead; the launcher sets a
+    short GOMP_SPINCOUNT for them so idle OpenMP threads soon sleep rather than spin on a core
     another role needs.
     """
     import os

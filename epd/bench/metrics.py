@@ -60,7 +60,7 @@ class RequestRecord:
         return {"conversation": self.conversation, "turn": self.turn, "error": self.error, "ttft_s": self.ttft_s,
                 "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "output_tokens": self.output_tokens,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "images_encoded": self.images_encoded, "images_cached": self.images_cached}
+                "images_encoded": self.images_encoded, "images_cached": self.images_cached, "stages": self.stages}
 
 
 @dataclass(frozen=True)
