@@ -48,37 +48,27 @@ class Load:
 
     def _client(self) -> None:
         while not self.stop.is_set():
+            self.send(self.images_per_request)
+            self.stop.wait(self.pause_s)
+
+    def send(self, images_per_request: int) -> None:
+        """One request with fresh images; keeps its answer, or its failure."""
+        with self.lock:
+            seeds = [next(self.seeds) for _ in range(images_per_request)]
+        images = [make_image(self.size, self.size, seed=s) for s in seeds]
+        prompt = f"Describe {len(images)} pictures."
+        try:
+            result = client.generate(self.address, client.user_request(
+                prompt, images, max_tokens=self.max_tokens, temperature=0.0), timeout_s=300)
             with self.lock:
-                seeds = [next(self.seeds) for _ in range(self.images_per_request)]
-            images = [make_image(self.size, self.size, seed=s) for s in seeds]
-            prompt = f"Describe {len(images)} pictures."
-            try:
-                result = client.generate(self.address, client.user_request(
-                    prompt, images, max_tokens=self.max_tokens, temperature=0.0), timeout_s=300)
-                with self.lock:
-                    self.done.append((prompt, images, result.token_ids))
-                self.stop.wait(self.pause_s)
-            except BaseException as error:  # noqa: BLE001 - every failure is a test failure
-                with self.lock:
-                    self.failures.append(error)
+                self.done.append((prompt, images, result.token_ids))
+        except BaseException as error:  # noqa: BLE001 - every failure is a test failure
+            with self.lock:
+                self.failures.append(error)
 
     def burst(self, num_requests: int, images_per_request: int) -> None:
         """``num_requests`` concurrent requests now, each with fresh images; waits for them."""
-        def one():
-            with self.lock:
-                seeds = [next(self.seeds) for _ in range(images_per_request)]
-            images = [make_image(self.size, self.size, seed=s) for s in seeds]
-            prompt = f"Describe {len(images)} pictures."
-            try:
-                result = client.generate(self.address, client.user_request(
-                    prompt, images, max_tokens=self.max_tokens, temperature=0.0), timeout_s=300)
-                with self.lock:
-                    self.done.append((prompt, images, result.token_ids))
-            except BaseException as error:  # noqa: BLE001
-                with self.lock:
-                    self.failures.append(error)
-
-        threads = [threading.Thread(target=one) for _ in range(num_requests)]
+        threads = [threading.Thread(target=self.send, args=(images_per_request,)) for _ in range(num_requests)]
         for thread in threads:
             thread.start()
         for thread in threads:
