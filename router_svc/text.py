@@ -10,20 +10,29 @@ class TextStream:
 
     Held back: an incomplete UTF-8 character at the end (decoded as U+FFFD) and, when stop strings
     are set, the last ``len(longest stop) - 1`` characters, which could be the start of a stop.
+
+    Each call decodes only the tokens after a settled prefix, not the whole completion: the text of
+    ``token_ids[:_settled]`` is kept, and the settled point moves up to a few tokens behind the end
+    whenever the tokens before it decode to whole characters (no U+FFFD), where a byte-level
+    tokenizer's text of a concatenation is the concatenation of the texts.
     """
+
+    _TAIL = 4  # tokens kept undecided behind the end: a character's bytes span at most 4 tokens
 
     def __init__(self, tokenizer, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
+        self._settled = 0  # tokens whose text is final
+        self._settled_text = ""  # the text of token_ids[:_settled]
         self._emitted = 0  # characters of the text already returned
         self.stopped = False
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens and return the new text that is now final."""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = self._text()
         cut = self._find_stop(text)
         if cut is not None:
             self.stopped = True
@@ -37,8 +46,21 @@ class TextStream:
         """All text not yet returned (the stream ended)."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = self._text()
         return self._advance(text, len(text))
+
+    def _text(self) -> str:
+        """The whole completion's text, decoding only the unsettled tail."""
+        settle = len(self.token_ids) - self._TAIL
+        if settle > self._settled:
+            piece = self._decode(self.token_ids[self._settled : settle])
+            if not piece.endswith("\ufffd"):
+                self._settled_text += piece
+                self._settled = settle
+        return self._settled_text + self._decode(self.token_ids[self._settled :])
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _find_stop(self, text: str) -> int | None:
         # Only text past what was already emitted minus the hold can hold a new stop string.

@@ -135,3 +135,18 @@ def test_special_tokens_are_skipped(tokenizer):
     ids = tokenizer.encode("hi there") + [eos]
     stream = TextStream(tokenizer, stop=[])
     assert "".join(_feed(stream, ids, 1)) + stream.flush() == "hi there"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_incremental_text_equals_decoding_everything_each_time(tokenizer, batch):
+    """The stream decodes only a tail, yet at every step its text is the full decode's."""
+    import random
+
+    rng = random.Random(batch)
+    ids = tokenizer.encode(MIXED * 3)
+    ids += [rng.randrange(len(tokenizer)) for _ in range(200)]  # arbitrary ids: split characters, specials
+    stream = TextStream(tokenizer, stop=[])
+    for i in range(0, len(ids), batch):
+        stream.add(ids[i : i + batch])
+        assert stream._text() == _decode(tokenizer, stream.token_ids)
+    assert stream._settled >= len(ids) - 64, "the settled point stopped moving: decoding is quadratic again"
