@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,9 +344,16 @@ def _cmd_serve(args) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        started = time.monotonic()
+        print("epd stopping", file=sys.stderr, flush=True)
         stack.stop()
+        print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
-    return 0
+    # Everything this process started is stopped; do not let a library's leftover non-daemon thread
+    # hold the exit (seen once on a loaded CI machine: the process outlived a 60 s wait).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _ray_env(address: str) -> None:
