@@ -202,16 +202,21 @@ class DecodeBatch:
             self._grow(capacity=self._capacity * 2)
         if state.num_tokens + 1 > self._max_len:
             self._grow(max_len=state.num_tokens + self._LEN_ALIGN)
-        for layer in range(self.runner.num_layers):
-            if self.keys[layer] is not None:
-                length = state.keys[layer].shape[2]
-                if length != state.num_tokens:
-                    raise ValueError(f"layer {layer} holds {length} cached tokens, the state says {state.num_tokens}")
-                self.keys[layer][slot, :, :length] = state.keys[layer][0]
-                self.values[layer][slot, :, :length] = state.values[layer][0]
-            else:
-                self.conv[layer][slot] = state.conv[layer][0]
-                self.recurrent[layer][slot] = state.recurrent[layer][0]
+        try:
+            for layer in range(self.runner.num_layers):
+                if self.keys[layer] is not None:
+                    length = state.keys[layer].shape[2]
+                    if length != state.num_tokens:
+                        raise ValueError(f"layer {layer} holds {length} cached tokens, the state says {state.num_tokens}")
+                    self.keys[layer][slot, :, :length] = state.keys[layer][0]
+                    self.values[layer][slot, :, :length] = state.values[layer][0]
+                else:
+                    self.conv[layer][slot] = state.conv[layer][0]
+                    self.recurrent[layer][slot] = state.recurrent[layer][0]
+        except Exception:
+            if not self.lengths:  # buffers shaped after a bad state must not outlive it
+                self._release()
+            raise
         self.lengths.append(state.num_tokens)
         return slot
 

@@ -158,3 +158,20 @@ def test_decode_step_rejects_mismatched_inputs(runner):
     batch = runner.new_batch()
     with pytest.raises(ValueError, match="one token and position per slot"):
         runner.decode_step(batch, [], [])
+
+
+def test_a_malformed_state_is_refused_and_leaves_the_batch_usable(runner):
+    vocab = runner.lm_head_weight.shape[0]
+    ids = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(3))
+    pos, _ = positions.mrope_positions(9, [])
+    good = runner.new_state()
+    token = int(runner.logits(runner.forward(runner.embed(ids), pos, good)).argmax())
+    bad = runner.new_state()
+    runner.forward(runner.embed(ids), pos, bad)
+    bad.num_tokens = 5  # disagrees with the K/V it holds
+    batch = runner.new_batch()
+    with pytest.raises(ValueError, match="cached tokens"):
+        batch.add(bad)
+    assert len(batch) == 0 and batch.nbytes() == 0
+    assert batch.add(good) == 0
+    assert runner.decode_step(batch, [token], [9]).shape == (1, vocab)
