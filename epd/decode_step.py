@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from epd import positions
-from epd.lm import HybridState, TextModelRunner
+from epd.lm import TextModelRunner
 
 _PROMPT_TOKENS = 64  # each request's cached context when the steps are timed
 _GEMV_BYTES = 512 * 1024**2
@@ -66,7 +66,7 @@ def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, w
     first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
     batch = runner.new_batch()
     for _ in range(batch_size):
-        batch.add(_copy(state))
+        batch.add(state.clone())
     tokens = [first] * batch_size
     times = []
     for step in range(warmup + steps):
@@ -132,14 +132,6 @@ def machine_info() -> dict:
         "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__,
     }
-
-
-def _copy(state: HybridState) -> HybridState:
-    out = HybridState.empty(len(state.keys))
-    out.num_tokens = state.num_tokens
-    for kind in ("keys", "values", "conv", "recurrent"):
-        setattr(out, kind, [None if t is None else t.clone() for t in getattr(state, kind)])
-    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -63,6 +63,12 @@ class HybridState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
 
+    def clone(self) -> HybridState:
+        """A deep copy: its tensors share no storage with this state's (a later forward writes
+        into the state it is given, so a kept snapshot is only ever handed out as a copy)."""
+        tensors = {name: tensor.clone() for name, tensor in self.named_tensors()}
+        return HybridState.from_named_tensors(len(self.keys), self.num_tokens, tensors)
+
 
 @dataclass
 class TextModelRunner:

@@ -141,13 +141,6 @@ def snapshot_points(prompt_len: int, block_size: int, every_blocks: int, last_tu
 # ---------------------------------------------------------------- state snapshots
 
 
-def copy_state(state: HybridState) -> HybridState:
-    """A deep copy: the copy's tensors share no storage with ``state``'s. Snapshots are copied in
-    and out because a later forward must never write into what the cache holds."""
-    tensors = {name: tensor.clone() for name, tensor in state.named_tensors()}
-    return HybridState.from_named_tensors(len(state.keys), state.num_tokens, tensors)
-
-
 class PrefixCache:
     """Prompt-prefix snapshots keyed by chained block hash, bounded in bytes, LRU."""
 
@@ -166,7 +159,7 @@ class PrefixCache:
         for block in range(min(len(hashes), (prompt_len - 1) // self.block_size), 0, -1):
             state = self._lru.get(hashes[block - 1], count=False)
             if state is not None:
-                found_len, found = block * self.block_size, copy_state(state)
+                found_len, found = block * self.block_size, state.clone()
                 break
         self._lru.record(hit=found is not None)
         with self._lock:
@@ -178,7 +171,7 @@ class PrefixCache:
         if block_hash in self._lru:
             self._lru.get(block_hash, count=False)  # refresh its place in the LRU order
             return
-        self._lru.put(block_hash, copy_state(state), state.nbytes())
+        self._lru.put(block_hash, state.clone(), state.nbytes())
 
     def wants(self, block_hash: bytes) -> bool:
         return self._lru.capacity_bytes > 0 and block_hash not in self._lru
