@@ -484,10 +484,14 @@ def _cmd_down(args) -> int:
 
 
 def _raise_on_sigterm() -> None:
+    """SIGTERM and SIGINT both raise KeyboardInterrupt, so the cleanup in ``finally`` runs. SIGINT
+    is set explicitly: a process started with it ignored (a background job of a shell script, or
+    a parent that ignores it) would otherwise never stop on Ctrl-C or ``kill -INT``."""
     def handler(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cmd_generate(args) -> int:

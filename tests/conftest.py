@@ -26,11 +26,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 class ServeProcess:
     """`epd serve` in its own session; remembers every descendant so teardown can prove cleanup."""
 
-    def __init__(self, model_dir: str, *extra: str, log_path: str) -> None:
+    def __init__(self, model_dir: str, *extra: str, log_path: str, sigint_ignored: bool = False) -> None:
         self.log = open(log_path, "w+")
+        # sigint_ignored: start it the way a shell script starts a background job (SIGINT ignored,
+        # inherited across exec), which must not stop Ctrl-C from stopping it.
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "epd.cli", "serve", "--model", model_dir, *extra],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True, preexec_fn=ignore,
         )
         self.address = self._wait_ready(timeout_s=240)
         self.descendants = psutil.Process(self.proc.pid).children(recursive=True)

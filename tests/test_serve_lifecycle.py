@@ -10,7 +10,9 @@ from tests.conftest import ServeProcess
 
 
 def test_ctrl_c_stops_every_process(tiny_model_dir, tmp_path):
-    server = ServeProcess(tiny_model_dir, "--encoders", "1", log_path=str(tmp_path / "serve.log"))
+    # Started with SIGINT ignored, as a background job of a script is (and as this suite's own
+    # process ended up after earlier tests): SIGINT must still stop it.
+    server = ServeProcess(tiny_model_dir, "--encoders", "1", log_path=str(tmp_path / "serve.log"), sigint_ignored=True)
     try:
         assert rpc.is_serving(server.address, "epd.v1.Router")
         names = {p.name() for p in server.descendants}
