@@ -349,11 +349,7 @@ def _cmd_serve(args) -> int:
         stack.stop()
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
-    # Everything this process started is stopped; do not let a library's leftover non-daemon thread
-    # hold the exit (seen once on a loaded CI machine: the process outlived a 60 s wait).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0
 
 
 def _ray_env(address: str) -> None:

@@ -57,7 +57,7 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout=120)  # a loaded CI machine can take a while to stop Ray
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
