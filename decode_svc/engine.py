@@ -1,119 +1,44 @@
-"""Decode: one loop that steps every running request together and hands tokens to their streams.
+"""Decode: one loop thread that steps every running request together and publishes the tokens.
 
-``DecodeScheduler`` is bookkeeping only (who is running, whose lease ran out, who finished) and
-is testable without a model. ``DecodeEngine`` owns the runner, a ``DecodeBatch`` and the loop
-thread. Continuous batching: between two steps, finished requests leave the batch and handed-off
-ones join it (up to ``max_batch_size``; the rest wait their turn, oldest first); each step then
-runs one batched forward for every request in it (``TextModelRunner.decode_step``), samples each
-row with the request's own settings and publishes the tokens. The handoff is decoded as soon as
-it arrives, so tokens are ready when the router claims the stream.
+``DecodeEngine`` owns the runner, the ``DecodeBatch`` (tensors) and the loop; ``DecodeScheduler``
+(bookkeeping) decides who is admitted, who sits in which slot and who is done. Continuous
+batching: between two steps, finished requests leave the batch and handed-off ones join it; each
+step then runs one batched forward for every request in it (``TextModelRunner.decode_step``),
+samples each row with the request's own settings and publishes the tokens. A handoff is decoded
+as soon as it arrives, so tokens are ready when the router claims the stream.
+
+Every change of a request's status happens under the engine's lock, admission included (the
+state is copied into its slot while the lock is held), so a cancel can never be overwritten by
+an admission running beside it. Only the forward itself runs outside the lock.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
+import torch
+
+from decode_svc.batch import DecodeBatch
+from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, TokenEvent
 from epd import positions
+from epd.config import DecodeConfig
 from epd.lm import HybridState, TextModelRunner
-from epd.request import FinishReason, RequestStatus
-from epd.sampling import SamplingConfig, TokenLogprobs, sample
+from epd.request import FinishReason
+from epd.sampling import SamplingConfig, sample
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprobs: TokenLogprobs | None
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class DecodeRequest:
-    """One request on the decode side: its state, progress and outbox."""
-
-    request_id: str
-    prompt_len: int
-    rope_delta: int
-    sampling: SamplingConfig
-    state: HybridState | None
-    last_token: int
-    lease_deadline: float  # monotonic time by which a stream must claim it
-    deadline: float  # monotonic time after which it is abandoned
-    num_generated: int = 1  # the first token came from prefill
-    status: RequestStatus = RequestStatus.HANDED_OFF
-    claimed: bool = False
-    finish_reason: FinishReason | None = None
-    outbox: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
-
-
-class DecodeScheduler:
-    """Which requests step next, and which are done. Plain Python: no tensors."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, DecodeRequest] = {}
-
-    def add(self, request: DecodeRequest) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r} was already handed off")
-        self.requests[request.request_id] = request
-
-    def runnable(self, now: float) -> list[DecodeRequest]:
-        """Expire what must end now, then return the requests to step, oldest first."""
-        for request in list(self.requests.values()):
-            if request.status is RequestStatus.FINISHED:
-                continue
-            if not request.claimed and now > request.lease_deadline:
-                self.finish(request, FinishReason.CANCELLED)
-            elif now > request.deadline:
-                self.finish(request, FinishReason.DEADLINE)
-        return [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
-
-    def after_token(self, request: DecodeRequest, token: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
-        request.last_token = token
-        request.num_generated += 1
-        if token in eos_token_ids and not request.sampling.ignore_eos:
-            return FinishReason.EOS
-        if request.num_generated >= request.sampling.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def finish(self, request: DecodeRequest, reason: FinishReason) -> None:
-        """Free the request's state; its stream (if any) sees the reason and ends."""
-        if request.status is RequestStatus.FINISHED:
-            return
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.state = None
-        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
-            request.outbox.put(TokenEvent(token_id=-1, logprobs=None, finish_reason=reason))
-
-    def reap(self, now: float) -> None:
-        """Forget finished requests: claimed ones (their stream holds them), and unclaimed ones
-        whose outbox is empty or whose lease has run out (no stream will come)."""
-        for request_id, request in list(self.requests.items()):
-            if request.status is not RequestStatus.FINISHED:
-                continue
-            if request.claimed or request.outbox.empty() or now > request.lease_deadline:
-                del self.requests[request_id]
-
 
 class DecodeEngine:
-    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], lease_s: float,
-                 max_batch_size: int = 32) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
-        self.lease_s = lease_s
-        self.max_batch_size = max_batch_size
-        self.scheduler = DecodeScheduler()
-        # Owned by the loop thread: the batch, and which request holds each of its slots.
-        self._batch = runner.new_batch()
-        self._members: list[DecodeRequest] = []
+        self.config = config
+        self.scheduler = DecodeScheduler(config.max_batch_size)
+        self._batch = DecodeBatch(runner)  # owned by the loop thread, changed under the lock
         self.steps = 0
         self.batch_sizes_total = 0  # sum of batch sizes over steps: mean batch = this / steps
         self._lock = threading.Condition()
@@ -121,8 +46,12 @@ class DecodeEngine:
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------ called by the server's threads
+
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
-               sampling: SamplingConfig, state: HybridState, deadline_unix: float) -> None:
+               sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1) -> None:
+        """A handed-off request; ``num_generated`` counts the tokens it already produced (the
+        last of them is ``first_token``): more than one when a request resumes elsewhere."""
         now = time.monotonic()
         request = DecodeRequest(
             request_id=request_id,
@@ -131,20 +60,18 @@ class DecodeEngine:
             sampling=sampling,
             state=state,
             last_token=first_token,
-            lease_deadline=now + self.lease_s,
+            lease_deadline=now + self.config.handoff_lease_s,
             deadline=now + max(0.0, deadline_unix - time.time()) if deadline_unix else float("inf"),
+            num_generated=num_generated,
         )
         with self._lock:
             self.scheduler.add(request)
             self._lock.notify()
 
-    def claim(self, request_id: str) -> DecodeRequest | None:
+    def claim(self, request_id: str, sink: Callable[[TokenEvent], None]) -> DecodeRequest | None:
+        """Send the request's events to ``sink`` (called from the loop thread: it must not block)."""
         with self._lock:
-            request = self.scheduler.requests.get(request_id)
-            if request is None or request.claimed:
-                return None
-            request.claimed = True
-            return request
+            return self.scheduler.claim(request_id, sink)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -152,9 +79,14 @@ class DecodeEngine:
             if request is not None:
                 self.scheduler.finish(request, FinishReason.CANCELLED)
 
-    def num_active(self) -> int:
+    def num_unfinished(self) -> int:
         with self._lock:
-            return sum(r.status is not RequestStatus.FINISHED for r in self.scheduler.requests.values())
+            return self.scheduler.num_unfinished()
+
+    def num_held(self) -> int:
+        """Requests decode still holds, finished ones whose stream has not come yet included."""
+        with self._lock:
+            return len(self.scheduler.requests)
 
     def stop(self) -> None:
         with self._lock:
@@ -162,77 +94,71 @@ class DecodeEngine:
             self._lock.notify()
         self._thread.join(timeout=5)
 
+    # ------------------------------------------------------------ the loop thread
+
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self.scheduler.reap(time.monotonic())
-                running = self.scheduler.runnable(time.monotonic())
-                while not running and not self._stopped:
-                    # Wake at least every lease check interval so unclaimed handoffs expire.
-                    self._lock.wait(timeout=0.5)
-                    self.scheduler.reap(time.monotonic())
-                    running = self.scheduler.runnable(time.monotonic())
+                while not self._stopped and not self._prepare_step():
+                    self._lock.wait(timeout=min(0.5, self.scheduler.next_wake(time.monotonic()) + 0.01))
                 if self._stopped:
                     return
-                self._leave_finished()
-                joining = [r for r in running if r.status is RequestStatus.HANDED_OFF]
-            self._join(joining)
-            if not self._members:
-                continue
+                members = self.scheduler.running
             try:
-                self._step()
+                logits = self._forward(members)
             except Exception:  # noqa: BLE001 - a failed step ends its requests, never the loop
-                log.exception("decode step failed for a batch of %d", len(self._members))
+                log.exception("decode step failed for a batch of %d", len(members))
                 with self._lock:
-                    for request in self._members:
+                    for request in members:
                         self.scheduler.finish(request, FinishReason.ERROR)
-                    self._leave_finished()
-
-    def _leave_finished(self) -> None:
-        """Drop finished requests from the batch (swap-remove keeps slots dense)."""
-        slot = 0
-        while slot < len(self._members):
-            if self._members[slot].status is RequestStatus.FINISHED:
-                moved = self._batch.remove(slot)
-                last = self._members.pop()
-                if moved is not None:
-                    self._members[slot] = last
                 continue
-            slot += 1
+            with self._lock:
+                self._publish(members, logits)
 
-    def _join(self, waiting: list[DecodeRequest]) -> None:
-        """Copy handed-off states into free slots, oldest first, up to max_batch_size."""
-        for request in waiting:
-            if len(self._members) >= self.max_batch_size:
-                return
-            state = request.state
-            if state is None or request.status is not RequestStatus.HANDED_OFF:
-                continue  # cancelled since the scheduler listed it
+    def _prepare_step(self) -> bool:
+        """Under the lock: expire, drop finished requests, admit waiting ones. True when there is a
+        batch to step."""
+        now = time.monotonic()
+        self.scheduler.expire(now)
+        self.scheduler.reap(now)
+        self._compact()
+        for request in self.scheduler.admit():
             try:
-                self._batch.add(state)
-            except Exception:  # noqa: BLE001 - a malformed state fails its own request only
-                log.exception("decode could not admit %s", request.request_id)
-                with self._lock:
-                    self.scheduler.finish(request, FinishReason.ERROR)
+                self._batch.add(request.state)
+            except Exception as error:  # noqa: BLE001 - a malformed state fails its own request only
+                log.warning("decode refused the state of %s: %s", request.request_id, error)
+                self.scheduler.reject(request)
                 continue
             request.state = None  # the batch holds it now
-            request.status = RequestStatus.DECODING
-            self._members.append(request)
+        return bool(self.scheduler.slots)
 
-    def _step(self) -> None:
-        members = list(self._members)
+    def _compact(self) -> None:
+        for src, dst in self.scheduler.compact():
+            self._batch.move(src, dst)
+        self._batch.truncate(len(self.scheduler.slots))
+
+    def _forward(self, members: list[DecodeRequest]) -> torch.Tensor:
         tokens = [r.last_token for r in members]
         positions_ = [positions.decode_position(r.prompt_len, r.num_generated - 1, r.rope_delta) for r in members]
         logits = self.runner.decode_step(self._batch, tokens, positions_)
-        sampled = [sample(logits[row], r.sampling, step=r.num_generated) for row, r in enumerate(members)]
         self.steps += 1
         self.batch_sizes_total += len(members)
-        with self._lock:
-            for request, (token, logprobs) in zip(members, sampled):
-                if request.status is RequestStatus.FINISHED:  # cancelled during the step
-                    continue
-                reason = self.scheduler.after_token(request, token, self.eos_token_ids)
-                request.outbox.put(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
-                if reason is not None:
-                    self.scheduler.finish(request, reason)
-            self._leave_finished()
+        return logits
+
+    def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:
+        """Under the lock: sample each row and hand the token to its request. A row whose logits
+        are not finite (a numerical blow-up in that request alone) fails only that request."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for row, request in enumerate(members):
+            if request.status is RequestStatus.FINISHED:  # cancelled during the step
+                continue
+            if not finite[row]:
+                log.warning("decode: non-finite logits for %s at step %d; failing it", request.request_id,
+                            request.num_generated)
+                self.scheduler.finish(request, FinishReason.ERROR)
+                continue
+            token, logprobs = sample(logits[row], request.sampling, step=request.num_generated)
+            reason = self.scheduler.after_token(request, token, self.eos_token_ids)
+            request.publish(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
+            if reason is not None:
+                self.scheduler.finish(request, reason)

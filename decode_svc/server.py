@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import queue
 
-import grpc
-
-from decode_svc.engine import DecodeEngine, TokenEvent
-from epd import handoff, rpc
+from decode_svc.engine import DecodeEngine
+from decode_svc.scheduler import TokenEvent
+from epd import errors, handoff, rpc
+from epd.config import ServeConfig
+from epd.discovery import RoleContext
 from epd.lm import TextModelRunner
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
-from epd.sampling import logprobs_to_proto, sampling_from_proto
 from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.wire import logprobs_to_proto, sampling_from_proto
 
 _MAX_BATCH_WAIT_S = 0.02  # how long a stream waits to group more tokens into one message
 
@@ -39,23 +40,23 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
 
     @rpc.stream_errors
     def Stream(self, request: epd_pb2.StreamRequest, context):
-        claimed = self.engine.claim(request.request_id)
-        if claimed is None:
-            raise rpc.RpcFailure(grpc.StatusCode.NOT_FOUND, f"no handed-off request {request.request_id!r} to stream")
+        events: queue.Queue[TokenEvent] = queue.Queue()
+        if self.engine.claim(request.request_id, events.put) is None:
+            raise errors.NotFound(f"no handed-off request {request.request_id!r} to stream")
         context.add_callback(lambda: self.engine.cancel(request.request_id))
         while True:
-            events = [claimed.outbox.get()]
-            while events[-1].finish_reason is None:  # group whatever is already waiting
+            batch = [events.get()]
+            while batch[-1].finish_reason is None:  # group whatever is already waiting
                 try:
-                    events.append(claimed.outbox.get(timeout=_MAX_BATCH_WAIT_S if len(events) < 2 else 0))
+                    batch.append(events.get(timeout=_MAX_BATCH_WAIT_S if len(batch) < 2 else 0))
                 except queue.Empty:
                     break
-            yield _batch(events)
-            if events[-1].finish_reason is not None:
+            yield _token_batch(batch)
+            if batch[-1].finish_reason is not None:
                 return
 
 
-def _batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
+def _token_batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
     tokens = [e for e in events if e.token_id >= 0]
     reason = events[-1].finish_reason
     return epd_pb2.TokenBatch(
@@ -66,21 +67,21 @@ def _batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
 
 
 class DecodeServer(rpc.RoleServer):
-    """Hosts the Decode service in its own process (a Ray actor made by the launcher)."""
+    """Hosts the Decode service in its own process (a Ray actor the controller makes)."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", lease_s: float = 30.0,
-                 num_threads: int = 0, host: str = "127.0.0.1", max_batch_size: int = 32) -> None:
-        configure_threads(num_threads)
-        info = ModelInfo.load(model_dir)
-        runner = TextModelRunner.load(model_dir, dtype=dtype)
-        self.engine = DecodeEngine(runner, info.eos_token_ids, lease_s, max_batch_size)
-        servicer = DecodeServicer(self.engine)
-        self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, servicer, "epd.v1.Decode", host)
+    def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        config = serve.decode
+        configure_threads(config.num_threads)
+        info = ModelInfo.load(serve.model_dir)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        self.engine = DecodeEngine(runner, info.eos_token_ids, config)
+        self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode",
+                    context.host)
 
     def in_flight(self) -> int:
         """Calls running plus requests handed off and not yet finished: a drained decode holds
         no request a router could still come to stream."""
-        return super().in_flight() + len(self.engine.scheduler.requests)
+        return super().in_flight() + self.engine.num_held()
 
     def stop(self) -> None:
         super().stop()

@@ -10,13 +10,15 @@ Replicas are Ray actors with restarts; a call that dies with its replica is retr
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import grpc
 import ray
 
-from encode_svc.worker import EncodeResult
+from encode_svc.engine import EncodeResult
 from epd import discovery, rpc
+from epd.config import ServeConfig
+from epd.discovery import RoleContext
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 
@@ -28,10 +30,8 @@ class ReplicaPool:
     for zero.
     """
 
-    def __init__(self, replicas: Mapping[str, ray.actor.ActorHandle] | Sequence[ray.actor.ActorHandle] = ()) -> None:
-        if not isinstance(replicas, Mapping):
-            replicas = {f"replica-{i}": handle for i, handle in enumerate(replicas)}
-        self._replicas: dict[str, ray.actor.ActorHandle] = dict(replicas)
+    def __init__(self, replicas: Mapping[str, ray.actor.ActorHandle] | None = None) -> None:
+        self._replicas: dict[str, ray.actor.ActorHandle] = dict(replicas or {})
         self._outstanding: dict[str, int] = dict.fromkeys(self._replicas, 0)
         self._in_flight: dict[str, ray.ObjectRef] = {}
         self._lock = threading.Lock()
@@ -118,21 +118,16 @@ def _to_proto(result: EncodeResult) -> epd_pb2.EncodedImage:
 
 
 class EncodeServer(rpc.RoleServer):
-    """Hosts the Encoder service in its own process (a Ray actor made by the launcher).
+    """Hosts the Encoder service in its own process (a Ray actor the controller makes); its
+    replicas are whatever encoder replicas the registry lists from moment to moment."""
 
-    Its replicas are either a fixed list or, given a registry, whatever encoder replicas the
-    registry lists from moment to moment (``epd.discovery``).
-    """
-
-    def __init__(self, replicas: Sequence[ray.actor.ActorHandle] = (), host: str = "127.0.0.1", *,
-                 registry=None, name: str = "encode", poll_s: float = 0.25) -> None:
-        self.pool = ReplicaPool(replicas)
-        self._watch = None
-        if registry is not None:
-            self._watch = discovery.RegistryWatch(registry, "encoder", name, self._on_replicas, poll_s)
+    def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        self.pool = ReplicaPool()
+        self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self._on_replicas,
+                                              context.poll_s)
         ray.get([replica.ready.remote() for replica in self.pool.replicas])
         servicer = EncoderServicer(self.pool)
-        self._serve(epd_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder", host)
+        self._serve(epd_pb2_grpc.add_EncoderServicer_to_server, servicer, "epd.v1.Encoder", context.host)
 
     def _on_replicas(self, endpoints: list[discovery.Endpoint]) -> None:
         self.pool.update({e.name: e.handle for e in endpoints if not e.draining})
@@ -145,6 +140,5 @@ class EncodeServer(rpc.RoleServer):
         return self.pool.load()
 
     def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
+        self._watch.close()
         super().stop()

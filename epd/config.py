@@ -1,11 +1,20 @@
-"""One typed config per role, composed into ``ServeConfig``; every field bounded and checked.
+"""One typed config per role, composed into ``ServeConfig`` and ``DeployConfig``: the one source
+of truth for every setting and its default.
 
-A bad value fails at start-up with a ``ConfigError`` that names the field, not later in a worker.
+Each field has a docstring (the CLI's help is read from them, ``field_docs``) and a bound; a bad
+value fails at start-up with a ``ConfigError`` naming the role and field (``decode.max_batch_size:
+must be in [1, 1024], got 0``), not later in a worker.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import json
 import os
+import textwrap
 from dataclasses import dataclass, field
 
 
@@ -18,103 +27,102 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ConfigError(f"{name}: {message}")
 
 
+def _check_range(value: float, low: float, high: float, name: str) -> None:
+    _check(low <= value <= high, name, f"must be in [{low:g}, {high:g}], got {value}")
+
+
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     redis_url: str | None = None
-    """External Redis URL (``redis://host:port/db``); None starts an embedded redis-server."""
+    """External Redis URL (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, unix://PATH); none: an
+    embedded redis-server on a private unix socket."""
     ttl_s: int = 3600
     """Seconds an embedding stays in the store after it is written."""
     max_memory_mb: int = 1024
-    """Memory cap of the embedded Redis, evicting least-recently-used entries past it (an external
-    Redis keeps its own ``maxmemory``; set ``maxmemory-policy allkeys-lru`` there)."""
+    """Memory cap of the embedded Redis in MiB, evicting least-recently-used entries past it (an
+    external Redis keeps its own maxmemory; set maxmemory-policy allkeys-lru there)."""
 
     def __post_init__(self) -> None:
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "store.redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        _check(1 <= self.ttl_s <= 30 * 86400, "store.ttl_s", f"must be in [1, 2592000], got {self.ttl_s}")
-        _check(16 <= self.max_memory_mb <= 1 << 20, "store.max_memory_mb", f"must be in [16, 1048576], got {self.max_memory_mb}")
+        _check_range(self.ttl_s, 1, 30 * 86400, "store.ttl_s")
+        _check_range(self.max_memory_mb, 16, 1 << 20, "store.max_memory_mb")
 
 
 @dataclass(frozen=True)
 class EncodeConfig:
-    num_replicas: int = 1
-    """Encoder replicas (Ray actors), each with its own copy of the vision tower."""
     max_decoded_pixels: int = 64 * 1024 * 1024
     """Ceiling on an image's own pixel count before resizing: a decompression-bomb guard."""
     num_threads: int = 0
-    """torch threads per replica; 0 lets each replica use the cores it is given."""
+    """torch threads per encoder replica; 0: every core the replica may run on."""
     max_batch_patches: int = 16384
     """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs alone)."""
     dtype: str = "float32"
     """Weights and activations dtype of the vision tower."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.max_batch_patches <= 1 << 24, "encode.max_batch_patches",
-               f"must be in [1, 16777216], got {self.max_batch_patches}")
+        _check_range(self.max_batch_patches, 1, 1 << 24, "encode.max_batch_patches")
         _check(self.dtype in DTYPE_CHOICES, "encode.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        _check(1 <= self.num_replicas <= 256, "encode.num_replicas", f"must be in [1, 256], got {self.num_replicas}")
-        _check(65536 <= self.max_decoded_pixels <= 1 << 31, "encode.max_decoded_pixels",
-               f"must be in [65536, 2147483648], got {self.max_decoded_pixels}")
-        _check(0 <= self.num_threads <= 256, "encode.num_threads", f"must be in [0, 256], got {self.num_threads}")
+        _check_range(self.max_decoded_pixels, 65536, 1 << 31, "encode.max_decoded_pixels")
+        _check_range(self.num_threads, 0, 256, "encode.num_threads")
 
 
 @dataclass(frozen=True)
 class LMConfig:
+    """What prefill and decode (the two language-model roles) share; ``section`` names the role."""
+
+    section = "lm"
     dtype: str = "float32"
-    """Weights and activations dtype of the language model (prefill and decode)."""
+    """Weights and activations dtype of the language model."""
     num_threads: int = 0
-    """torch threads for the role; 0 keeps torch's default."""
+    """torch threads of the role; 0: every core it may run on."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        _check(0 <= self.num_threads <= 256, "num_threads", f"must be in [0, 256], got {self.num_threads}")
+        _check(self.dtype in DTYPE_CHOICES, f"{self.section}.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _check_range(self.num_threads, 0, 256, f"{self.section}.num_threads")
 
 
 @dataclass(frozen=True)
 class PrefillConfig(LMConfig):
+    section = "prefill"
     chunk_tokens: int = 512
-    """Longest run of prompt tokens one forward takes; waiting prompts take turns between chunks."""
+    """Longest run of prompt tokens one prefill forward takes; waiting prompts take turns between chunks."""
     embedding_cache_mb: int = 256
-    """In-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
+    """The prefill worker's in-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
     prefix_cache_mb: int = 512
-    """Prompt-prefix state snapshots (K/V + linear-attention states), in MiB; 0 turns it off."""
+    """The prefill worker's prefix cache (K/V + linear-attention state snapshots), in MiB; 0 turns it off."""
     prefix_block_size: int = 64
     """Tokens per prefix-cache block (64 = Gated DeltaNet's kernel chunk, so block edges fall on its chunk edges)."""
     snapshot_every_blocks: int = 8
-    """Besides each prompt's last full block, keep a snapshot every this many blocks; 0: last block only."""
+    """Besides each prompt's last full block and turn start, keep a prefix snapshot every this many blocks; 0: those only."""
     metrics_port: int = 0
-    """Port of the prefill worker's Prometheus /metrics endpoint on 127.0.0.1; 0 turns it off."""
+    """Port of the prefill worker's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(1 <= self.chunk_tokens <= 1 << 20, "prefill.chunk_tokens", f"must be in [1, 1048576], got {self.chunk_tokens}")
-        _check(0 <= self.embedding_cache_mb <= 1 << 20, "prefill.embedding_cache_mb",
-               f"must be in [0, 1048576], got {self.embedding_cache_mb}")
-        _check(0 <= self.prefix_cache_mb <= 1 << 20, "prefill.prefix_cache_mb",
-               f"must be in [0, 1048576], got {self.prefix_cache_mb}")
-        _check(1 <= self.prefix_block_size <= 8192, "prefill.prefix_block_size",
-               f"must be in [1, 8192], got {self.prefix_block_size}")
-        _check(0 <= self.snapshot_every_blocks <= 1 << 16, "prefill.snapshot_every_blocks",
-               f"must be in [0, 65536], got {self.snapshot_every_blocks}")
-        _check(0 <= self.metrics_port <= 65535, "prefill.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        _check_range(self.chunk_tokens, 1, 1 << 20, "prefill.chunk_tokens")
+        _check_range(self.embedding_cache_mb, 0, 1 << 20, "prefill.embedding_cache_mb")
+        _check_range(self.prefix_cache_mb, 0, 1 << 20, "prefill.prefix_cache_mb")
+        _check_range(self.prefix_block_size, 1, 8192, "prefill.prefix_block_size")
+        _check_range(self.snapshot_every_blocks, 0, 1 << 16, "prefill.snapshot_every_blocks")
+        _check_range(self.metrics_port, 0, 65535, "prefill.metrics_port")
 
 
 @dataclass(frozen=True)
 class DecodeConfig(LMConfig):
+    section = "decode"
     handoff_lease_s: float = 30.0
-    """A handed-off request that no Stream call claims within this many seconds is freed."""
+    """A handed-off request that no stream claims within this many seconds is freed."""
     max_batch_size: int = 32
-    """Requests decoded together in one step; more wait for a slot (continuous batching)."""
+    """Requests decoded together in one step (continuous batching); more wait for a slot."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(0.1 <= self.handoff_lease_s <= 3600, "decode.handoff_lease_s",
-               f"must be in [0.1, 3600], got {self.handoff_lease_s}")
-        _check(1 <= self.max_batch_size <= 1024, "decode.max_batch_size",
-               f"must be in [1, 1024], got {self.max_batch_size}")
+        _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
+        _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
 
 
 @dataclass(frozen=True)
@@ -128,22 +136,19 @@ class RouterConfig:
     max_tokens_limit: int = 4096
     """The largest max_tokens a request may ask for."""
     max_model_len: int = 0
-    """Prompt plus completion ceiling in tokens; 0 uses the model's max_position_embeddings."""
+    """Prompt plus completion ceiling in tokens; 0: the model's max_position_embeddings."""
     request_timeout_s: float = 600.0
     """A request still running after this many seconds is abandoned with DEADLINE_EXCEEDED."""
     metrics_port: int = 0
-    """Port of the router's Prometheus /metrics endpoint (on ``host``); 0 turns it off."""
+    """Port of the router's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port <= 65535, "router.port", f"must be in [0, 65535], got {self.port}")
-        _check(1 <= self.default_max_tokens <= self.max_tokens_limit, "router.default_max_tokens",
-               f"must be in [1, max_tokens_limit={self.max_tokens_limit}], got {self.default_max_tokens}")
-        _check(1 <= self.max_tokens_limit <= 1 << 20, "router.max_tokens_limit",
-               f"must be in [1, 1048576], got {self.max_tokens_limit}")
-        _check(self.max_model_len >= 0, "router.max_model_len", f"must be >= 0, got {self.max_model_len}")
-        _check(1 <= self.request_timeout_s <= 86400, "router.request_timeout_s",
-               f"must be in [1, 86400], got {self.request_timeout_s}")
-        _check(0 <= self.metrics_port <= 65535, "router.metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        _check_range(self.port, 0, 65535, "router.port")
+        _check_range(self.max_tokens_limit, 1, 1 << 20, "router.max_tokens_limit")
+        _check_range(self.default_max_tokens, 1, self.max_tokens_limit, "router.default_max_tokens")
+        _check_range(self.max_model_len, 0, 1 << 24, "router.max_model_len")
+        _check_range(self.request_timeout_s, 1, 86400, "router.request_timeout_s")
+        _check_range(self.metrics_port, 0, 65535, "router.metrics_port")
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,18 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
-        _check(os.path.isfile(os.path.join(self.model_dir, "config.json")), "model_dir",
-               f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
+        path = os.path.join(self.model_dir, "config.json")
+        _check(os.path.isfile(path), "model_dir", f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
                "create one with `epd model create --preset tiny --out DIR`")
+        try:
+            with open(path) as f:
+                text = json.load(f).get("text_config", {})
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model_dir: cannot read {path}: {error}") from None
+        positions = text.get("max_position_embeddings")
+        if isinstance(positions, int) and self.router.max_model_len > positions:
+            raise ConfigError(f"router.max_model_len: {self.router.max_model_len} is more than the model's "
+                              f"max_position_embeddings ({positions})")
 
 
 # ---------------------------------------------------------------- deployment on a Ray cluster
@@ -167,8 +181,6 @@ class ServeConfig:
 ROLES = ("encoder", "encode", "prefill", "decode", "router")
 """The roles a deployment places: encoder replicas (Ray actors), the Encoder gRPC service in
 front of them, prefill, decode and the router."""
-
-SCALABLE_ROLES = ("encoder", "prefill", "decode", "router")
 
 BIND_CHOICES = ("loopback", "node")
 
@@ -187,8 +199,8 @@ class RoleResources:
     take the role."""
 
     def __post_init__(self) -> None:
-        _check(0 <= self.num_cpus <= 1024, "num_cpus", f"must be in [0, 1024], got {self.num_cpus}")
-        _check(0 <= self.num_gpus <= 64, "num_gpus", f"must be in [0, 64], got {self.num_gpus}")
+        _check_range(self.num_cpus, 0, 1024, "num_cpus")
+        _check_range(self.num_gpus, 0, 64, "num_gpus")
         for name, amount in self.resources.items():
             _check(isinstance(name, str) and name and name not in ("CPU", "GPU", "memory"), "resources",
                    f"custom resource names must be non-empty and not CPU/GPU/memory, got {name!r}")
@@ -223,13 +235,12 @@ class AutoscaleConfig:
     """Seconds between two looks at the load."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.min_replicas <= 256, "autoscale.min_replicas", f"must be in [1, 256], got {self.min_replicas}")
+        _check_range(self.min_replicas, 1, 256, "autoscale.min_replicas")
         _check(self.min_replicas <= self.max_replicas <= 256, "autoscale.max_replicas",
                f"must be in [min_replicas={self.min_replicas}, 256], got {self.max_replicas}")
-        _check(0.1 <= self.target_queue_per_replica <= 1024, "autoscale.target_queue_per_replica",
-               f"must be in [0.1, 1024], got {self.target_queue_per_replica}")
-        _check(0 <= self.cooldown_s <= 86400, "autoscale.cooldown_s", f"must be in [0, 86400], got {self.cooldown_s}")
-        _check(0.05 <= self.interval_s <= 3600, "autoscale.interval_s", f"must be in [0.05, 3600], got {self.interval_s}")
+        _check_range(self.target_queue_per_replica, 0.1, 1024, "autoscale.target_queue_per_replica")
+        _check_range(self.cooldown_s, 0, 86400, "autoscale.cooldown_s")
+        _check_range(self.interval_s, 0.05, 3600, "autoscale.interval_s")
 
 
 @dataclass(frozen=True)
@@ -238,15 +249,20 @@ class DeployConfig:
 
     serve: ServeConfig
     """The roles' own settings (model, store, per-role knobs)."""
+    num_encoders: int = 1
+    """Encoder replicas (Ray actors, each with its own copy of the vision tower); the start count
+    when autoscaling."""
+    num_encode_services: int = 1
+    """Encoder gRPC services in front of the encoder replicas (the router balances over them)."""
     num_prefill: int = 1
-    """Prefill replicas, each a gRPC server the router balances over."""
+    """Prefill replicas (the router balances over them)."""
     num_decode: int = 1
-    """Decode replicas; prefill hands each request to the one with the fewest in flight."""
+    """Decode replicas (prefill hands each request to the one with the fewest in flight)."""
     num_routers: int = 1
     """Router replicas (the public entry points)."""
     bind: str = "loopback"
-    """Where role servers listen: ``loopback`` (one machine) or ``node`` (the Ray node's IP, so
-    roles on other nodes reach them)."""
+    """Where role servers listen: loopback (one machine) or node (the Ray node's IP, so roles on
+    other nodes reach them)."""
     namespace: str = "epd"
     """Ray namespace of the deployment's named actors; two deployments on one cluster differ here."""
     resources: dict[str, RoleResources] = field(default_factory=lambda: {role: RoleResources() for role in ROLES})
@@ -255,41 +271,37 @@ class DeployConfig:
     metrics_port: int = 0
     """Port of the controller's Prometheus endpoint; 0 picks a free one."""
     poll_s: float = 0.25
-    """How often a role re-reads the registry for endpoints that joined or left."""
+    """How often a role re-reads the registry for replicas that joined or left."""
     drain_timeout_s: float = 600.0
-    """A replica being removed gets this long to finish what it holds before it is killed."""
+    """A replica being removed (epd scale) gets this long to finish what it holds before it is stopped."""
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "num_routers"):
-            value = getattr(self, name)
-            _check(1 <= value <= 256, name, f"must be in [1, 256], got {value}")
+        for name in ("num_encoders", "num_encode_services", "num_prefill", "num_decode", "num_routers"):
+            _check_range(getattr(self, name), 1, 256, name)
         _check(self.bind in BIND_CHOICES, "bind", f"must be one of {BIND_CHOICES}, got {self.bind!r}")
         _check(bool(self.namespace) and self.namespace.replace("-", "").replace("_", "").isalnum(), "namespace",
                f"must be letters, digits, - or _, got {self.namespace!r}")
         unknown = set(self.resources) - set(ROLES)
         _check(not unknown, "resources", f"unknown roles {sorted(unknown)}; roles are {ROLES}")
-        _check(0 <= self.metrics_port <= 65535, "metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
-        _check(0.01 <= self.poll_s <= 60, "poll_s", f"must be in [0.01, 60], got {self.poll_s}")
-        _check(1 <= self.drain_timeout_s <= 86400, "drain_timeout_s", f"must be in [1, 86400], got {self.drain_timeout_s}")
-        _check(1 <= self.start_timeout_s <= 86400, "start_timeout_s", f"must be in [1, 86400], got {self.start_timeout_s}")
+        _check_range(self.metrics_port, 0, 65535, "metrics_port")
+        _check_range(self.poll_s, 0.01, 60, "poll_s")
+        _check_range(self.drain_timeout_s, 1, 86400, "drain_timeout_s")
+        _check_range(self.start_timeout_s, 1, 86400, "start_timeout_s")
         if self.bind == "node":
             _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,
                    "store.redis_url", "a deployment bound to node addresses needs a TCP Redis every node can reach "
                    "(--redis redis://HOST:PORT/0)")
         if self.autoscale.enabled:
-            n = self.serve.encode.num_replicas
-            _check(self.autoscale.min_replicas <= n <= self.autoscale.max_replicas, "encode.num_replicas",
-                   f"must be within the autoscale bounds [{self.autoscale.min_replicas}, "
-                   f"{self.autoscale.max_replicas}], got {n}")
+            _check_range(self.num_encoders, self.autoscale.min_replicas, self.autoscale.max_replicas, "num_encoders")
 
     def role_resources(self, role: str) -> RoleResources:
         return self.resources.get(role, RoleResources())
 
     def replicas(self, role: str) -> int:
-        return {"encoder": self.serve.encode.num_replicas, "prefill": self.num_prefill,
-                "decode": self.num_decode, "router": self.num_routers, "encode": 1}[role]
+        return {"encoder": self.num_encoders, "encode": self.num_encode_services, "prefill": self.num_prefill,
+                "decode": self.num_decode, "router": self.num_routers}[role]
 
 
 def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConfig]:
@@ -325,3 +337,31 @@ def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConf
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
     return resources, autoscale
+
+
+# ---------------------------------------------------------------- field docs (the CLI's help)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal under it), base classes included."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def field_default(cls: type, name: str):
+    """A field's default value (calling its default factory)."""
+    spec = cls.__dataclass_fields__[name]
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    raise KeyError(f"{cls.__name__}.{name} has no default")

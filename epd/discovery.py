@@ -10,7 +10,7 @@ when no consumer will pick it again. Nothing is restarted when a replica joins o
 
 ``Balancer`` is the bookkeeping a consumer uses to pick an endpoint: the live one with the fewest
 calls in flight. The ``*Targets`` classes are the gRPC faces of it that the router and prefill
-take at construction in place of one fixed address.
+take at construction.
 """
 
 from __future__ import annotations
@@ -30,6 +30,20 @@ from epd.v1 import epd_pb2_grpc
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "registry"
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What the controller tells every replica it starts, besides the deployment's config."""
+
+    name: str
+    """The replica's name, unique in the deployment (its Ray actor name, e.g. ``prefill-3``)."""
+    host: str = "127.0.0.1"
+    """Address its servers bind: an IP, or ``NODE_ADDRESS`` for the Ray node's own IP."""
+    registry: object = None
+    """The deployment's ``Registry`` actor handle (``epd.discovery``)."""
+    poll_s: float = 0.25
+    """How often its watchers re-read the registry."""
 
 
 @dataclass(frozen=True)
@@ -189,50 +203,37 @@ class Balancer:
 
 
 class _Targets:
-    """A role's endpoints from the registry (or one fixed address), balanced, with gRPC stubs."""
+    """A role's endpoints from the registry, balanced, with one gRPC stub per address."""
 
-    def __init__(self, role: str, make_stub: Callable[[grpc.Channel], object], registry=None, fixed_address: str = "",
-                 watcher: str = "", poll_s: float = 0.25) -> None:
+    def __init__(self, role: str, make_stub: Callable[[grpc.Channel], object], context: RoleContext) -> None:
         self.balancer = Balancer(role)
-        self._make_stub = make_stub
-        self._stubs: dict[str, object] = {}
-        self._watch = None
-        if registry is None:
-            self.balancer.update([Endpoint(name=fixed_address, role=role, address=fixed_address)])
-        else:
-            self._watch = RegistryWatch(registry, role, watcher, self.balancer.update, poll_s)
-
-    def stub(self, address: str):
-        stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs.setdefault(address, self._make_stub(rpc.channel(address)))
-        return stub
+        self.stubs = rpc.StubCache(make_stub)
+        self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s)
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
+        self._watch.close()
 
 
 class EncoderTargets(_Targets):
     """The Encoder service(s), as the router calls them: ``Encode`` goes to the least busy."""
 
-    def __init__(self, registry=None, fixed_address: str = "", watcher: str = "", poll_s: float = 0.25) -> None:
-        super().__init__("encode", epd_pb2_grpc.EncoderStub, registry, fixed_address, watcher, poll_s)
+    def __init__(self, context: RoleContext) -> None:
+        super().__init__("encode", epd_pb2_grpc.EncoderStub, context)
 
     def Encode(self, request, timeout=None):  # noqa: N802 - the stub's method name
         with self.balancer.lease() as address:
-            return self.stub(address).Encode(request, timeout=timeout)
+            return self.stubs.get(address).Encode(request, timeout=timeout)
 
 
 class PrefillTargets(_Targets):
     """The prefill replicas, as the router calls them: ``Prefill`` goes to the least busy."""
 
-    def __init__(self, registry=None, fixed_address: str = "", watcher: str = "", poll_s: float = 0.25) -> None:
-        super().__init__("prefill", epd_pb2_grpc.PrefillStub, registry, fixed_address, watcher, poll_s)
+    def __init__(self, context: RoleContext) -> None:
+        super().__init__("prefill", epd_pb2_grpc.PrefillStub, context)
 
     def Prefill(self, request, timeout=None):  # noqa: N802 - the stub's method name
         with self.balancer.lease() as address:
-            return self.stub(address).Prefill(request, timeout=timeout)
+            return self.stubs.get(address).Prefill(request, timeout=timeout)
 
 
 class DecodeTargets(_Targets):
@@ -240,12 +241,12 @@ class DecodeTargets(_Targets):
     the fewest handoffs in flight, and ``handoff`` says which one took it (the router streams
     the tokens from there)."""
 
-    def __init__(self, registry=None, fixed_address: str = "", watcher: str = "", poll_s: float = 0.25) -> None:
-        super().__init__("decode", epd_pb2_grpc.DecodeStub, registry, fixed_address, watcher, poll_s)
+    def __init__(self, context: RoleContext) -> None:
+        super().__init__("decode", epd_pb2_grpc.DecodeStub, context)
 
     def handoff(self, chunks, timeout=None) -> str:
         with self.balancer.lease() as address:
-            self.stub(address).Handoff(chunks, timeout=timeout)
+            self.stubs.get(address).Handoff(chunks, timeout=timeout)
             return address
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -387,9 +387,11 @@ def load_pixels(data: bytes, settings: ImageSettings) -> tuple[torch.Tensor, tup
         img.close()
     pixel_values = out["pixel_values"].float().contiguous()
     grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
-    # The header told the router how many tokens to reserve; the decode must agree.
+    # The header told the router how many tokens to reserve; the decode must agree. When it does
+    # not, the file's header lies about its pixels: bad input, never worth a retry.
     if grid != info.grid_thw:
-        raise RuntimeError(f"decoded grid {grid} differs from probed grid {info.grid_thw}")
+        raise ImageError(f"image header says {info.width}x{info.height} (grid {list(info.grid_thw)}) but its "
+                         f"pixels decode to grid {list(grid)}")
     return pixel_values, grid  # type: ignore[return-value]
 
 

@@ -7,10 +7,10 @@ the reference ones) but keeps every piece of per-request state in an explicit ``
 that the caller owns: nothing about a request is stored on the shared model object. That is what
 lets prefill run in one process, the state travel as raw tensors, and decode continue in another.
 
-Decode batches: ``DecodeBatch`` keeps many requests' state in shared slot buffers (K/V padded to
-the longest request per full-attention layer; conv and recurrent states stacked per linear layer),
-and ``TextModelRunner.decode_step`` advances every request in it by one token with one pass over
-the weights: projections, MLP and LM head run once for the whole batch.
+Decode batches: ``TextModelRunner.decode_step`` advances many requests by one token with one pass
+over the weights (projections, MLP and LM head run once for the whole batch) over any
+``BatchBuffers``: the slot buffers decode keeps (``decode_svc.batch.DecodeBatch``), K/V padded to
+the longest request per full-attention layer, conv and recurrent states stacked per linear layer.
 
 The runner does not decide anything (which request runs, when state is freed): it only computes.
 """
@@ -18,11 +18,11 @@ The runner does not decide anything (which request runs, when state is freed): i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
-
 
 
 @dataclass
@@ -70,6 +70,27 @@ class HybridState:
         return HybridState.from_named_tensors(len(self.keys), self.num_tokens, tensors)
 
 
+class BatchBuffers(Protocol):
+    """What ``decode_step`` needs of a batch: per-layer slot buffers (``[slots, ...]``; the active
+    slots are the leading rows) and each active slot's cached-token count."""
+
+    keys: list[torch.Tensor | None]  # [capacity, kv_heads, max_len, head_dim] per full-attention layer
+    values: list[torch.Tensor | None]
+    conv: list[torch.Tensor | None]  # [capacity, conv_dim, kernel] per linear-attention layer
+    recurrent: list[torch.Tensor | None]  # [capacity, v_heads, k_dim, v_dim] float32
+    lengths: list[int]
+
+    def __len__(self) -> int: ...
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more tokens in every active slot."""
+
+    def lengths_tensor(self) -> torch.Tensor: ...
+
+    def advance(self) -> None:
+        """Every active slot holds one more token."""
+
+
 @dataclass
 class TextModelRunner:
     """Owns the language model's weights; runs prefill and decode forwards over a HybridState."""
@@ -106,6 +127,36 @@ class TextModelRunner:
     def new_state(self) -> HybridState:
         return HybridState.empty(self.num_layers)
 
+    def state_shapes(self, num_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor of a one-request state holding ``num_tokens`` tokens, by name
+        (``HybridState.named_tensors`` names): what a handed-off state must look like."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for index, layer in enumerate(self.model.layers):
+            if self.layer_types[index] == "linear_attention":
+                gdn = layer.linear_attn
+                shapes[f"conv.{index}"] = (1, gdn.conv_dim, gdn.conv_kernel_size)
+                shapes[f"recurrent.{index}"] = (1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+            else:
+                attn = layer.self_attn
+                kv_heads = self.model.config.num_key_value_heads
+                shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
+        return shapes
+
+    def check_state(self, state: HybridState) -> None:
+        """Raise ValueError unless ``state`` is exactly a state of this model holding
+        ``state.num_tokens`` tokens: checked before anything is sized from it."""
+        if not 1 <= state.num_tokens <= self.model.config.max_position_embeddings:
+            raise ValueError(f"state holds {state.num_tokens} tokens; must be in "
+                             f"[1, {self.model.config.max_position_embeddings}]")
+        want = self.state_shapes(state.num_tokens)
+        have = {name: tuple(tensor.shape) for name, tensor in state.named_tensors()}
+        if have.keys() != want.keys():
+            missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+            raise ValueError(f"state tensors do not match the model: missing {missing[:4]}, unexpected {extra[:4]}")
+        for name, shape in want.items():
+            if have[name] != shape:
+                raise ValueError(f"state tensor {name} has shape {list(have[name])}, expected {list(shape)}")
+
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` ids -> ``[num_tokens, hidden]`` embeddings."""
@@ -136,11 +187,8 @@ class TextModelRunner:
         """``[..., hidden]`` -> float32 ``[..., vocab]`` logits."""
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self)
-
     @torch.inference_mode()
-    def decode_step(self, batch: DecodeBatch, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def decode_step(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Advance every request of ``batch`` (in slot order) by one token.
 
         ``token_ids[i]`` is slot i's last token and ``positions[i]`` its position (a text token's
@@ -167,161 +215,6 @@ class TextModelRunner:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         batch.advance()
         return self.logits(self.model.norm(hidden[:, 0]))
-
-
-class DecodeBatch:
-    """Many requests' decode state in shared buffers, one slot per request, slots 0..len-1 in use.
-
-    Full-attention layers keep ``[capacity, kv_heads, max_len, head_dim]`` K/V buffers; a slot's
-    tokens fill the front of its row and the rest is masked out. Linear-attention layers keep the
-    conv and recurrent states stacked ``[capacity, ...]``, so the active slots are always the
-    leading rows of every buffer (a view, never a copy). Removing a slot moves the last slot into
-    its place. Buffers grow by doubling and are dropped when the batch empties.
-    """
-
-    _LEN_ALIGN = 64
-
-    def __init__(self, runner: TextModelRunner) -> None:
-        self.runner = runner
-        self.lengths: list[int] = []
-        self.keys: list[torch.Tensor | None] = []
-        self.values: list[torch.Tensor | None] = []
-        self.conv: list[torch.Tensor | None] = []
-        self.recurrent: list[torch.Tensor | None] = []
-        self._capacity = 0
-        self._max_len = 0
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def nbytes(self) -> int:
-        tensors = [t for group in (self.keys, self.values, self.conv, self.recurrent) for t in group if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    @torch.inference_mode()
-    def add(self, state: HybridState) -> int:
-        """Copy ``state`` into a new slot; returns its index."""
-        if not self.lengths:
-            self._allocate(state, capacity=4, max_len=state.num_tokens + self._LEN_ALIGN)
-        slot = len(self.lengths)
-        if slot == self._capacity:
-            self._grow(capacity=self._capacity * 2)
-        if state.num_tokens + 1 > self._max_len:
-            self._grow(max_len=state.num_tokens + self._LEN_ALIGN)
-        try:
-            for layer in range(self.runner.num_layers):
-                if self.keys[layer] is not None:
-                    length = state.keys[layer].shape[2]
-                    if length != state.num_tokens:
-                        raise ValueError(f"layer {layer} holds {length} cached tokens, the state says {state.num_tokens}")
-                    self.keys[layer][slot, :, :length] = state.keys[layer][0]
-                    self.values[layer][slot, :, :length] = state.values[layer][0]
-                else:
-                    self.conv[layer][slot] = state.conv[layer][0]
-                    self.recurrent[layer][slot] = state.recurrent[layer][0]
-        except Exception:
-            if not self.lengths:  # buffers shaped after a bad state must not outlive it
-                self._release()
-            raise
-        self.lengths.append(state.num_tokens)
-        return slot
-
-    @torch.inference_mode()
-    def remove(self, slot: int) -> int | None:
-        """Free ``slot``; the last slot moves into it. Returns the moved slot's old index (or None)."""
-        last = len(self.lengths) - 1
-        if not 0 <= slot <= last:
-            raise IndexError(f"slot {slot} is not in use (batch of {last + 1})")
-        moved = None
-        if slot != last:
-            for group in (self.keys, self.values, self.conv, self.recurrent):
-                for tensor in group:
-                    if tensor is not None:
-                        tensor[slot] = tensor[last]
-            self.lengths[slot] = self.lengths[last]
-            moved = last
-        self.lengths.pop()
-        if not self.lengths:
-            self._release()
-        return moved
-
-    @torch.inference_mode()
-    def state_of(self, slot: int) -> HybridState:
-        """A copy of one slot's state as a standalone HybridState (tests and debugging)."""
-        length = self.lengths[slot]
-        state = HybridState.empty(self.runner.num_layers)
-        state.num_tokens = length
-        for layer in range(self.runner.num_layers):
-            if self.keys[layer] is not None:
-                state.keys[layer] = self.keys[layer][slot : slot + 1, :, :length].clone()
-                state.values[layer] = self.values[layer][slot : slot + 1, :, :length].clone()
-            else:
-                state.conv[layer] = self.conv[layer][slot : slot + 1].clone()
-                state.recurrent[layer] = self.recurrent[layer][slot : slot + 1].clone()
-        return state
-
-    # ------------------------------------------------------------ used by decode_step
-
-    @torch.inference_mode()
-    def reserve(self, extra: int) -> None:
-        needed = max(self.lengths) + extra
-        if needed > self._max_len:
-            self._grow(max_len=needed)
-
-    def lengths_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.lengths, dtype=torch.long, device=self.runner.device)
-
-    def advance(self) -> None:
-        self.lengths = [length + 1 for length in self.lengths]
-
-    # ------------------------------------------------------------ buffers
-
-    def _allocate(self, like: HybridState, capacity: int, max_len: int) -> None:
-        self._capacity, self._max_len = capacity, self._align(max_len)
-        num_layers = self.runner.num_layers
-        self.keys, self.values = [None] * num_layers, [None] * num_layers
-        self.conv, self.recurrent = [None] * num_layers, [None] * num_layers
-        for layer in range(num_layers):
-            if like.keys[layer] is not None:
-                _, heads, _, dim = like.keys[layer].shape
-                self.keys[layer] = like.keys[layer].new_zeros(capacity, heads, self._max_len, dim)
-                self.values[layer] = like.values[layer].new_zeros(capacity, heads, self._max_len, dim)
-            elif like.conv[layer] is not None:
-                self.conv[layer] = like.conv[layer].new_zeros(capacity, *like.conv[layer].shape[1:])
-                # float32 whatever the model dtype, as transformers' recurrent rule keeps it
-                self.recurrent[layer] = like.recurrent[layer].new_zeros(
-                    capacity, *like.recurrent[layer].shape[1:], dtype=torch.float32)
-            else:
-                raise ValueError(f"state has nothing for layer {layer}")
-
-    def _grow(self, capacity: int | None = None, max_len: int | None = None) -> None:
-        new_capacity = max(capacity or 0, self._capacity)
-        new_len = self._max_len
-        if max_len is not None and max_len > self._max_len:
-            new_len = self._align(max(max_len, self._max_len * 2))
-        used = len(self.lengths)
-        for group in (self.keys, self.values):
-            for layer, tensor in enumerate(group):
-                if tensor is not None:
-                    bigger = tensor.new_zeros(new_capacity, tensor.shape[1], new_len, tensor.shape[3])
-                    bigger[:used, :, : self._max_len] = tensor[:used]
-                    group[layer] = bigger
-        if new_capacity != self._capacity:
-            for group in (self.conv, self.recurrent):
-                for layer, tensor in enumerate(group):
-                    if tensor is not None:
-                        bigger = tensor.new_zeros(new_capacity, *tensor.shape[1:])
-                        bigger[:used] = tensor[:used]
-                        group[layer] = bigger
-        self._capacity, self._max_len = new_capacity, new_len
-
-    def _release(self) -> None:
-        self.keys, self.values, self.conv, self.recurrent = [], [], [], []
-        self._capacity = self._max_len = 0
-
-    @classmethod
-    def _align(cls, length: int) -> int:
-        return -(-length // cls._LEN_ALIGN) * cls._LEN_ALIGN
 
 
 def _full_attention(
@@ -398,7 +291,7 @@ def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, state: Hybr
 
 
 def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         batch: DecodeBatch, index: int, lengths: torch.Tensor) -> torch.Tensor:
+                         batch: BatchBuffers, index: int, lengths: torch.Tensor) -> torch.Tensor:
     """One token per slot: write its K/V at the slot's length, attend over the slot's tokens."""
     size = x.shape[0]
     head_dim = attn.head_dim
@@ -425,7 +318,7 @@ def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.
     return attn.o_proj(out * torch.sigmoid(gate))
 
 
-def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: DecodeBatch, index: int) -> torch.Tensor:
+def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
     """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place."""
     size = x.shape[0]
     mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, 1]

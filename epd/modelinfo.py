@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from epd import checkpoint
+from epd import checkpoint, imaging
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,11 @@ class ModelInfo:
     max_position_embeddings: int
     hidden_size: int
     im_start_token_id: int | None = None  # <|im_start|>: where each chat turn begins (None if the tokenizer lacks it)
+
+    def image_settings(self, max_decoded_pixels: int) -> imaging.ImageSettings:
+        """The checkpoint's preprocessing settings (preprocessor_config.json) with the decode ceiling."""
+        return imaging.ImageSettings.from_preprocessor_config(
+            os.path.join(self.model_dir, "preprocessor_config.json"), max_decoded_pixels=max_decoded_pixels)
 
     @classmethod
     def load(cls, model_dir: str) -> ModelInfo:

@@ -17,6 +17,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from epd import errors
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # an encoded image, a request with several of them
@@ -47,13 +49,22 @@ def invalid(message: str) -> RpcFailure:
     return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status an exception leaves a server as: one mapping for every role."""
     if isinstance(error, RpcFailure):
-        context.abort(error.code, error.message)
+        return error.code, error.message
+    if isinstance(error, errors.ServiceError):
+        return grpc.StatusCode[error.status], str(error)
     if isinstance(error, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-    log.exception("internal error")
-    context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    code, message = status_of(error)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error")
+    context.abort(code, message)
 
 
 def unary_errors(method: Callable) -> Callable:
@@ -196,6 +207,22 @@ class RoleServer:
 
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class StubCache:
+    """One channel and stub per address, made on first use and kept (channels reconnect on their own)."""
+
+    def __init__(self, make_stub: Callable[[grpc.Channel], object]) -> None:
+        self._make_stub = make_stub
+        self._stubs: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str):
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = self._make_stub(channel(address))
+            return stub
 
 
 def is_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from epd.v1 import epd_pb2
-
 MAX_LOGPROBS = 20
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive steps far apart in seed space
 _MASK63 = (1 << 63) - 1
@@ -89,23 +87,3 @@ def _logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, num_top)
     return TokenLogprobs(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
-
-
-def sampling_from_proto(message: epd_pb2.ResolvedSampling) -> SamplingConfig:
-    return SamplingConfig(
-        max_tokens=message.max_tokens,
-        temperature=message.temperature,
-        top_p=message.top_p,
-        top_k=message.top_k,
-        seed=message.seed,
-        ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs,
-    )
-
-
-def logprobs_to_proto(logprobs: TokenLogprobs | None) -> epd_pb2.TokenLogprobs | None:
-    if logprobs is None:
-        return None
-    return epd_pb2.TokenLogprobs(
-        logprob=logprobs.logprob, top=[epd_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top]
-    )

@@ -13,25 +13,21 @@ is copied into the prefix cache. Positions are computed here from the request al
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
-from epd import handoff, positions, rpc
+from epd import errors, positions
 from epd.config import PrefillConfig
-from epd.discovery import DecodeTargets
 from epd.lm import HybridState, TextModelRunner
-from epd.metrics import Family, counter, gauge, serve_metrics
+from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, TokenLogprobs, logprobs_to_proto, sample, sampling_from_proto
+from epd.sampling import SamplingConfig, TokenLogprobs, sample
 from epd.store import EmbeddingStore
-from epd.tensors import configure_threads
-from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
@@ -51,13 +47,6 @@ class PrefillResult:
     cached_tokens: int = 0
 
 
-class JobStatus(enum.Enum):
-    WAITING_FOR_EMBEDDINGS = "waiting_for_embeddings"
-    PREFILLING = "prefilling"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
 @dataclass(eq=False)
 class PrefillJob:
     """One prompt in the prefill: the tensors for tokens ``[cached_tokens, prompt_len)``."""
@@ -70,7 +59,6 @@ class PrefillJob:
     rope_delta: int
     deadline_unix: float
     store_read_s: float = 0.0  # the embedding reads (LRU, then Redis)
-    status: JobStatus = JobStatus.WAITING_FOR_EMBEDDINGS
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     queued_at: float = 0.0
@@ -84,12 +72,11 @@ class PrefillJob:
 
 
 class PrefillEngine:
-    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore,
-                 config: PrefillConfig | None = None) -> None:
+    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore, config: PrefillConfig) -> None:
         self.runner = runner
         self.info = info
         self.store = store
-        self.config = config or PrefillConfig()
+        self.config = config
         self.embeddings: ByteLRU[torch.Tensor] = ByteLRU(self.config.embedding_cache_mb * MIB)
         self.prefix = PrefixCache(self.config.prefix_cache_mb * MIB, self.config.prefix_block_size,
                                   self.config.snapshot_every_blocks)
@@ -106,7 +93,7 @@ class PrefillEngine:
     def run(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
         job = self._prepare(request)
         with self._wake:
-            job.status, job.queued_at = JobStatus.PREFILLING, time.perf_counter()
+            job.queued_at = time.perf_counter()
             self._jobs[job.progress] = job
             self._scheduler.add(job.progress)
             self._wake.notify()
@@ -183,16 +170,11 @@ class PrefillEngine:
             if ref.store_key not in found:
                 # The router re-encodes on this status: an eviction between its check and this
                 # read must cost a retry, never a failed request.
-                raise rpc.RpcFailure(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"embedding of image {index} is not in the store: {ref.store_key}"
-                )
+                raise errors.FailedPrecondition(f"embedding of image {index} is not in the store: {ref.store_key}")
             tensor = found[ref.store_key]
             expected = (ref.merged_height * ref.merged_width, self.info.hidden_size)
             if tuple(tensor.shape) != expected:
-                raise rpc.RpcFailure(
-                    grpc.StatusCode.INTERNAL,
-                    f"embedding of image {index} has shape {tuple(tensor.shape)}, expected {expected}",
-                )
+                raise errors.ServiceError(f"embedding of image {index} has shape {tuple(tensor.shape)}, expected {expected}")
             out[index] = tensor
         return out
 
@@ -226,7 +208,7 @@ class PrefillEngine:
 
     def _run_chunk(self, job: PrefillJob, end: int) -> None:
         if job.deadline_unix and time.time() > job.deadline_unix:
-            raise rpc.RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill: request passed its deadline while queued")
+            raise errors.DeadlineExceeded("prefill: request passed its deadline while queued")
         if job.started_at is None:
             job.started_at = time.perf_counter()
         base = job.cached_tokens
@@ -245,7 +227,6 @@ class PrefillEngine:
             self._scheduler.remove(job.progress)
             self._jobs.pop(job.progress, None)
         job.error = error
-        job.status = JobStatus.FAILED if error else JobStatus.FINISHED
         job.finished_at = time.perf_counter()
         if job.started_at is None:
             job.started_at = job.finished_at
@@ -256,6 +237,11 @@ class PrefillEngine:
             self._stopping = True
             self._wake.notify_all()
         self._thread.join(timeout=10)
+
+    def num_waiting(self) -> int:
+        """Prompts queued or part-way through their prefill."""
+        with self._wake:
+            return len(self._scheduler)
 
     # ------------------------------------------------------------ metrics
 
@@ -288,67 +274,3 @@ def _last_index(token_ids: list[int], token: int | None) -> int | None:
     if token is None or token not in token_ids:
         return None
     return len(token_ids) - 1 - token_ids[::-1].index(token)
-
-
-class PrefillServicer(epd_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, decode: DecodeTargets) -> None:
-        self.engine = engine
-        self._decode = decode  # the decode replicas; each handoff goes to the least busy one
-
-    @rpc.unary_errors
-    def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
-        sampling = sampling_from_proto(request.sampling)
-        result = self.engine.run(request, sampling)
-        reply = epd_pb2.PrefillResponse(
-            first_token=result.first_token,
-            first_logprobs=logprobs_to_proto(result.logprobs),
-            prefill_s=result.prefill_s,
-            store_read_s=result.store_read_s,
-            queue_s=result.queue_s,
-            cached_tokens=result.cached_tokens,
-        )
-        if result.finish_reason is not None:
-            reply.finished = True
-            reply.finish_reason = result.finish_reason.value
-            return reply
-        start = time.perf_counter()
-        header = epd_pb2.HandoffHeader(
-            request_id=request.request_id,
-            prompt_len=len(request.token_ids),
-            rope_delta=result.rope_delta,
-            first_token=result.first_token,
-            sampling=request.sampling,
-            deadline_unix=request.deadline_unix,
-        )
-        try:
-            decode_addr = self._decode.handoff(handoff.chunks(header, result.state), timeout=context.time_remaining())
-        except grpc.RpcError as error:
-            raise rpc.RpcFailure.from_rpc_error(error, "decode handoff") from None
-        reply.handoff_s = time.perf_counter() - start
-        reply.handoff_bytes = result.state.nbytes()
-        reply.decode_addr = decode_addr
-        return reply
-
-
-class PrefillServer(rpc.RoleServer):
-    """Hosts the Prefill service in its own process (a Ray actor made by the launcher)."""
-
-    def __init__(self, model_dir: str, redis_url: str, decode_addr: str = "", config: PrefillConfig | None = None,
-                 host: str = "127.0.0.1", *, registry=None, name: str = "prefill", poll_s: float = 0.25) -> None:
-        """Hands off to ``decode_addr``, or, given a registry, to the decode replicas it lists."""
-        config = config or PrefillConfig()
-        configure_threads(config.num_threads)
-        info = ModelInfo.load(model_dir)
-        runner = TextModelRunner.load(model_dir, dtype=config.dtype)
-        self.engine = PrefillEngine(runner, info, EmbeddingStore(redis_url), config)
-        self._decode = DecodeTargets(registry, decode_addr, watcher=name, poll_s=poll_s)
-        servicer = PrefillServicer(self.engine, self._decode)
-        self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", host)
-        self._metrics = serve_metrics(self.engine.metrics, host, config.metrics_port)
-
-    def stop(self) -> None:
-        self._decode.close()
-        super().stop()
-        self.engine.stop()
-        if self._metrics is not None:
-            self._metrics.shutdown()

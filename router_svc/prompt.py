@@ -6,7 +6,6 @@ are decoded by the encoder replicas.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from epd import imaging, store
@@ -46,10 +45,7 @@ class PromptBuilder:
     def load(cls, model_dir: str, info: ModelInfo, max_decoded_pixels: int) -> PromptBuilder:
         from transformers import AutoTokenizer
 
-        settings = imaging.ImageSettings.from_preprocessor_config(
-            os.path.join(model_dir, "preprocessor_config.json"), max_decoded_pixels=max_decoded_pixels
-        )
-        return cls(AutoTokenizer.from_pretrained(model_dir), info, settings)
+        return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels))
 
     def build(self, messages, max_pixels: int | None, enable_thinking: bool) -> Prompt:
         """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem."""

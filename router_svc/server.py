@@ -17,14 +17,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from epd import rpc
-from epd.config import RouterConfig
-from epd.discovery import EncoderTargets, PrefillTargets
+from epd.config import RouterConfig, ServeConfig
+from epd.discovery import EncoderTargets, PrefillTargets, RoleContext
 from epd.metrics import Family, counter, gauge, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.wire import sampling_to_proto
 from router_svc.flights import SingleFlight
 from router_svc.prompt import Prompt, PromptBuilder, request_images_proto
 from router_svc.text import TextStream
@@ -39,7 +40,7 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
         self._encoder = encoder  # Encode() goes to the least busy Encoder service (epd.discovery)
         self._prefill = prefill  # Prefill() goes to the least busy prefill replica
-        self._decode_stubs: dict[str, epd_pb2_grpc.DecodeStub] = {}
+        self._decode = rpc.StubCache(epd_pb2_grpc.DecodeStub)
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0}
         self._counts_lock = threading.Lock()
@@ -201,10 +202,7 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             request_id=request_id,
             token_ids=prompt.token_ids,
             images=request_images_proto(prompt),
-            sampling=epd_pb2.ResolvedSampling(
-                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-            ),
+            sampling=sampling_to_proto(sampling),
             deadline_unix=deadline,
         )
         try:
@@ -248,7 +246,7 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
 
     def _relay_decode(self, request_id: str, decode_addr: str, text: TextStream, sampling: SamplingConfig,
                       deadline: float) -> Iterator[epd_pb2.GenerateResponse]:
-        stream = self._decode_stub(decode_addr).Stream(
+        stream = self._decode.get(decode_addr).Stream(
             epd_pb2.StreamRequest(request_id=request_id), timeout=max(0.1, deadline - time.time())
         )
         try:
@@ -272,19 +270,13 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
     def _release_decode(self, request_id: str, decode_addr: str) -> None:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
         first token), freeing its decode slot now instead of when its lease runs out."""
-        stream = self._decode_stub(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10)
+        stream = self._decode.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10)
         try:
             next(stream, None)  # the claim has reached decode once anything comes back
         except grpc.RpcError:
             pass  # already gone: nothing to free
         finally:
             stream.cancel()
-
-    def _decode_stub(self, decode_addr: str) -> epd_pb2_grpc.DecodeStub:
-        stub = self._decode_stubs.get(decode_addr)
-        if stub is None:
-            stub = self._decode_stubs.setdefault(decode_addr, epd_pb2_grpc.DecodeStub(rpc.channel(decode_addr)))
-        return stub
 
     @staticmethod
     def _call(method, message, deadline: float, hop: str):
@@ -299,20 +291,18 @@ def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:
 
 
 class RouterServer(rpc.RoleServer):
-    """Hosts the Router service in its own process (a Ray actor made by the launcher)."""
+    """Hosts the Router service in its own process (a Ray actor the controller makes); it calls
+    whatever Encoder services and prefill replicas the registry lists from moment to moment."""
 
-    def __init__(self, model_dir: str, redis_url: str, encoder_addr: str, prefill_addr: str,
-                 config: RouterConfig, max_decoded_pixels: int, *, registry=None, name: str = "router",
-                 poll_s: float = 0.25) -> None:
-        """Calls the fixed ``encoder_addr`` and ``prefill_addr``, or, given a registry, the Encoder
-        services and prefill replicas it lists from moment to moment."""
-        info = ModelInfo.load(model_dir)
-        builder = PromptBuilder.load(model_dir, info, max_decoded_pixels)
-        self._targets = [EncoderTargets(registry, encoder_addr, watcher=name, poll_s=poll_s),
-                         PrefillTargets(registry, prefill_addr, watcher=name, poll_s=poll_s)]
-        servicer = RouterServicer(config, builder, EmbeddingStore(redis_url), *self._targets)
-        self._serve(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router", config.host, config.port)
-        self._metrics = serve_metrics(servicer.metrics, config.host, config.metrics_port)
+    def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        config = serve.router
+        info = ModelInfo.load(serve.model_dir)
+        builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels)
+        self._targets = [EncoderTargets(context), PrefillTargets(context)]
+        servicer = RouterServicer(config, builder, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s),
+                                  *self._targets)
+        self._serve(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router", context.host, config.port)
+        self._metrics = serve_metrics(servicer.metrics, self.host, config.metrics_port)
 
     def stop(self) -> None:
         for targets in self._targets:

@@ -32,7 +32,7 @@ class ServeProcess:
         # inherited across exec), which must not stop Ctrl-C from stopping it.
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "epd.cli", "serve", "--model", model_dir, *extra],
+            [sys.executable, "-m", "control.cli", "serve", "--model", model_dir, *extra],
             stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True, preexec_fn=ignore,
         )
         self.address = self._wait_ready(timeout_s=240)
@@ -78,7 +78,7 @@ def ray_address(server: ServeProcess) -> str:
 
 
 def epd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "epd.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def epd_status(address: str) -> dict:
@@ -102,6 +102,6 @@ def addr(serve) -> str:
 
 @pytest.fixture(scope="session")
 def oracle(tiny_model_dir):
-    from epd.oracle import Oracle
+    from bench.oracle import Oracle
 
     return Oracle(tiny_model_dir)

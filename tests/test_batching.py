@@ -7,17 +7,22 @@ produce exactly the tokens transformers' generate gives for it alone.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import pytest
 import torch
 
+from bench.synthetic import make_image
+from decode_svc.batch import DecodeBatch
 from decode_svc.engine import DecodeEngine
 from epd import checkpoint, positions
+from epd.config import DecodeConfig
 from epd.lm import TextModelRunner
 from epd.modelinfo import ModelInfo
+from epd.request import FinishReason
 from epd.sampling import SamplingConfig
-from epd.synthetic import make_image
 
 CASES = [  # prompt, images, max_new_tokens
     ("Hello there, tell me a story about a very long road.", [], 24),
@@ -60,11 +65,11 @@ def _prefill(runner, vision, oracle, prompt, images):
     return len(ids), rope_delta, first, state
 
 
-def _drain(request, timeout_s=120):
+def _drain(events: queue.Queue, timeout_s=120):
     tokens = []
     deadline = time.monotonic() + timeout_s
     while True:
-        event = request.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+        event = events.get(timeout=max(0.1, deadline - time.monotonic()))
         if event.token_id >= 0:
             tokens.append(event.token_id)
         if event.finish_reason is not None:
@@ -79,7 +84,7 @@ def test_requests_join_and_leave_a_running_batch_token_identical(runner, vision,
     for (_, _, first, _), want in zip(prefilled, expected):
         assert first == want[0]
 
-    engine = DecodeEngine(runner, info.eos_token_ids, lease_s=60, max_batch_size=3)
+    engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(handoff_lease_s=60, max_batch_size=3))
     try:
         claimed = []
 
@@ -87,12 +92,14 @@ def test_requests_join_and_leave_a_running_batch_token_identical(runner, vision,
             prompt_len, rope_delta, first, state = prefilled[index]
             engine.submit(f"r{index}", prompt_len, rope_delta, first, SamplingConfig(max_tokens=CASES[index][2]),
                           state, deadline_unix=0)
-            claimed.append(engine.claim(f"r{index}"))
+            events: queue.Queue = queue.Queue()
+            assert engine.claim(f"r{index}", events.put) is not None
+            claimed.append(events)
 
         submit(0)
         submit(1)
         # Let the first two run a few steps before the others join mid-flight.
-        first_tokens = [claimed[0].outbox.get(timeout=60), claimed[1].outbox.get(timeout=60)]
+        first_tokens = [claimed[0].get(timeout=60), claimed[1].get(timeout=60)]
         for index in range(2, len(CASES)):
             submit(index)
         results = []
@@ -124,7 +131,7 @@ def test_batched_step_matches_one_request_steps(runner):
         single = runner.new_state()
         runner.forward(runner.embed(ids), pos, single)
         singles.append(single)
-    batch = runner.new_batch()
+    batch = DecodeBatch(runner)
     for state in states:
         batch.add(state)
     single_tokens = list(tokens)
@@ -139,8 +146,8 @@ def test_batched_step_matches_one_request_steps(runner):
         tokens = [int(row.argmax()) for row in logits]
         assert tokens == single_tokens
     # The slot's state is the request's own state, wherever it sits in the buffers.
-    moved = batch.remove(0)
-    assert moved == len(lengths) - 1
+    batch.move(len(lengths) - 1, 0)
+    batch.truncate(len(lengths) - 1)
     state = batch.state_of(0)  # the last request now lives in slot 0
     assert state.num_tokens == singles[-1].num_tokens
     for layer in range(runner.num_layers):
@@ -149,13 +156,12 @@ def test_batched_step_matches_one_request_steps(runner):
             assert (got is None) == (want is None)
             if got is not None:
                 torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-4)
-    for _ in range(len(lengths) - 1):
-        batch.remove(0)
+    batch.truncate(0)
     assert len(batch) == 0 and batch.nbytes() == 0
 
 
 def test_decode_step_rejects_mismatched_inputs(runner):
-    batch = runner.new_batch()
+    batch = DecodeBatch(runner)
     with pytest.raises(ValueError, match="one token and position per slot"):
         runner.decode_step(batch, [], [])
 
@@ -169,9 +175,53 @@ def test_a_malformed_state_is_refused_and_leaves_the_batch_usable(runner):
     bad = runner.new_state()
     runner.forward(runner.embed(ids), pos, bad)
     bad.num_tokens = 5  # disagrees with the K/V it holds
-    batch = runner.new_batch()
-    with pytest.raises(ValueError, match="cached tokens"):
+    batch = DecodeBatch(runner)
+    with pytest.raises(ValueError, match=r"keys\.\d+ has shape \[1, \d+, 9, \d+\], expected \[1, \d+, 5, \d+\]"):
+        batch.add(bad)
+    assert len(batch) == 0 and batch.nbytes() == 0
+    bad.num_tokens = 10**9  # a forged length: refused before any buffer is sized from it
+    with pytest.raises(ValueError, match="state holds 1000000000 tokens"):
         batch.add(bad)
     assert len(batch) == 0 and batch.nbytes() == 0
     assert batch.add(good) == 0
     assert runner.decode_step(batch, [token], [9]).shape == (1, vocab)
+
+
+def test_a_cancel_during_admission_is_not_lost(runner, tiny_model_dir, monkeypatch):
+    """A cancel that lands while the request's state is being copied into the batch must end it:
+    admission and cancellation both change the request's status under the engine's lock, so the
+    admission can never overwrite the cancel and decode a request nobody reads any more."""
+    info = ModelInfo.load(tiny_model_dir)
+    vocab = runner.lm_head_weight.shape[0]
+    ids = torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(7))
+    pos, rope_delta = positions.mrope_positions(20, [])
+    state = runner.new_state()
+    first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
+    entered, release = threading.Event(), threading.Event()
+    add = DecodeBatch.add
+
+    def slow_add(self, state):
+        entered.set()
+        release.wait(10)
+        return add(self, state)
+
+    monkeypatch.setattr(DecodeBatch, "add", slow_add)
+    engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(max_batch_size=4))
+    try:
+        engine.submit("r", 20, rope_delta, first, SamplingConfig(max_tokens=200, ignore_eos=True), state, 0)
+        events: queue.Queue = queue.Queue()
+        engine.claim("r", events.put)
+        assert entered.wait(30), "the request was never admitted"
+        canceller = threading.Thread(target=engine.cancel, args=("r",))
+        canceller.start()
+        time.sleep(0.3)  # the cancel is now waiting on the admission (or, if unguarded, already done)
+        release.set()
+        canceller.join(timeout=30)
+        tokens, reason = _drain(events)
+        time.sleep(0.5)  # a request wrongly left decoding would keep stepping here
+        assert reason is FinishReason.CANCELLED and tokens == []
+        assert engine.num_unfinished() == 0
+        assert engine.steps <= 1
+    finally:
+        release.set()
+        engine.stop()

@@ -12,9 +12,8 @@ import time
 import psutil
 import pytest
 
-from epd import cli
-from epd.bench.metrics import RequestRecord, Slo, percentiles, stage_figures, summarize
-from epd.bench.workload import (
+from bench.metrics import RequestRecord, Slo, percentiles, stage_figures, summarize
+from bench.workload import (
     ImageSize,
     PromptMaker,
     WorkloadSpec,
@@ -23,6 +22,7 @@ from epd.bench.workload import (
     parse_image_sizes,
     turns_per_conversation,
 )
+from control import cli
 
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -165,9 +165,9 @@ def test_stage_ratios_are_medians_over_the_requests_they_apply_to():
     (["--image-sizes", "448"], "argument --image-sizes: expected WIDTHxHEIGHT[:WEIGHT], got '448'"),
     (["--request-rate", "2"], "argument --request-rate: not allowed with argument --concurrency"),
     (["--repeat-ratio", "1.5"], "argument --repeat-ratio: must be in [0, 1], got 1.5"),
-    (["--output-tokens", "0"], "argument --output-tokens: must be at least 1, got 0"),
+    (["--output-tokens", "0"], "argument --output-tokens: must be in [1, 1000000], got 0"),
     (["--baseline", "transformers"], "--baseline transformers runs on local weights: give --model DIR"),
-    (["--dtype", "bfloat16"], "--dtype and --encoders configure the local stack"),
+    (["--dtype", "bfloat16"], "--dtype configure the local stack: use them with --model"),
     (["--baseline-threads", "1"], "--baseline-threads applies to --baseline transformers"),
     (["--images-per-request", "2"], "image_sizes: --image-sizes is needed"),
 ])
@@ -230,7 +230,7 @@ def _check_figures(figures: dict, num_requests: int, output_tokens: int) -> None
 def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_path):
     """The CI smoke bench: its own stack, the baseline after it, JSON and PNG, no process left."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = [sys.executable, "-m", "epd.cli", "bench", "--model", tiny_model_dir, "--num-requests", "4",
+    argv = [sys.executable, "-m", "control.cli", "bench", "--model", tiny_model_dir, "--num-requests", "4",
             "--concurrency", "2", "--image-sizes", "64x64,96x64", "--images-per-request", "1", "--prompt-tokens", "24",
             "--output-tokens", "8", "--baseline", "transformers", "--json", str(out_json), "--plot", str(out_png),
             "--slo-ttft", "30", "--seed", "11", "--baseline-threads", "1"]

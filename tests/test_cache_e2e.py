@@ -16,13 +16,12 @@ import urllib.request
 import pytest
 import redis
 
+from bench.synthetic import make_image
+from control.redis_server import EmbeddedRedis
 from epd import client, rpc
 from epd.config import RouterConfig
-from epd.discovery import EncoderTargets, PrefillTargets
 from epd.modelinfo import ModelInfo
-from epd.redis_server import EmbeddedRedis
 from epd.store import EmbeddingStore
-from epd.synthetic import make_image
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from prefill_svc.caches import snapshot_points
 from tests.conftest import ServeProcess, epd_status, ray_address
@@ -119,7 +118,7 @@ def test_second_turn_reuses_the_first_and_matches_transformers(stack, oracle, tm
     ]
     path = tmp_path / "conversation.json"
     path.write_text(json.dumps(conversation))
-    out = subprocess.run([sys.executable, "-m", "epd.cli", "generate", "--addr", stack.addr, "--messages", str(path),
+    out = subprocess.run([sys.executable, "-m", "control.cli", "generate", "--addr", stack.addr, "--messages", str(path),
                           "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     second = json.loads(out.stdout.strip().splitlines()[-1])
@@ -139,7 +138,7 @@ def test_second_turn_reuses_the_first_and_matches_transformers(stack, oracle, tm
 def test_messages_file_errors_name_the_problem(stack, tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps([{"role": "user", "content": [{"type": "image", "image": "missing.png"}]}]))
-    out = subprocess.run([sys.executable, "-m", "epd.cli", "generate", "--addr", stack.addr, "--messages", str(path)],
+    out = subprocess.run([sys.executable, "-m", "control.cli", "generate", "--addr", stack.addr, "--messages", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "message 0 part 0: cannot read image" in out.stderr and "missing.png" in out.stderr
@@ -190,6 +189,16 @@ class EvictingStore(EmbeddingStore):
         return present
 
 
+class OneReplica:
+    """Stands in for the router's balanced targets (``epd.discovery``): every call to one server."""
+
+    def __init__(self, make_stub, address: str) -> None:
+        self._stub = make_stub(rpc.channel(address))
+
+    def __getattr__(self, method: str):  # Encode / Prefill, as the balanced targets offer them
+        return getattr(self._stub, method)
+
+
 def test_eviction_between_check_and_read_costs_a_retry_not_a_failure(stack, oracle, tiny_model_dir):
     from router_svc.prompt import PromptBuilder
     from router_svc.server import RouterServicer
@@ -204,8 +213,8 @@ def test_eviction_between_check_and_read_costs_a_retry_not_a_failure(stack, orac
         epd_pb2_grpc.EncoderStub(chan).Encode(
             epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=key, data=image)]), timeout=60)
     store = EvictingStore(stack.redis_url)
-    servicer = RouterServicer(RouterConfig(), builder, store, EncoderTargets(fixed_address=stack.role_addrs["encode"]),
-                              PrefillTargets(fixed_address=stack.role_addrs["prefill"]))
+    servicer = RouterServicer(RouterConfig(), builder, store, OneReplica(epd_pb2_grpc.EncoderStub, stack.role_addrs["encode"]),
+                              OneReplica(epd_pb2_grpc.PrefillStub, stack.role_addrs["prefill"]))
     server, port = rpc.start_server([(epd_pb2_grpc.add_RouterServicer_to_server, servicer, "epd.v1.Router")])
     try:
         result = client.generate(f"127.0.0.1:{port}", client.chat_request(messages, max_tokens=8), timeout_s=120)

@@ -8,18 +8,15 @@ work during the change (a store hit would bypass them).
 from __future__ import annotations
 
 import itertools
-import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 import pytest
 
+from bench.synthetic import make_image
 from epd import client
-from epd.synthetic import make_image
 from tests.conftest import ServeProcess, epd, epd_status, ray_address
 
 
@@ -75,8 +72,11 @@ class Load:
             thread.join(timeout=300)
 
     def wait_for(self, count: int, timeout_s: float = 300) -> None:
+        """Until ``count`` requests have answered (or one failed: the test reports it)."""
         deadline = time.monotonic() + timeout_s
-        while len(self.done) < count and not self.failures and time.monotonic() < deadline:
+        while len(self.done) < count and not self.failures:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"only {len(self.done)} of {count} requests answered in {timeout_s:.0f} s")
             time.sleep(0.2)
 
     def finish(self) -> None:
@@ -120,7 +120,7 @@ def test_scale_encoders_1_3_1_while_requests_run(scalable, oracle):
 def test_scale_refuses_unknown_counts_and_roles(scalable):
     address = ray_address(scalable)
     out = epd("scale", "--address", address, "encoders", "0")
-    assert out.returncode == 1 and "replica count must be in [1, 256], got 0" in out.stderr
+    assert out.returncode == 2 and "epd scale: error: argument count: must be in [1, 256], got 0" in out.stderr
     out = epd("scale", "--address", address, "--namespace", "nobody", "encoders", "2")
     assert out.returncode != 0 and "no epd deployment in namespace 'nobody'" in out.stderr
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
-from epd import cli
-from epd.decode_step import weight_bytes_per_step
+import pytest
+
+from bench.decode_step import weight_bytes_per_step
+from control import cli
 from epd.lm import TextModelRunner
 
 
@@ -31,5 +33,8 @@ def test_decode_step_report_is_complete_and_consistent(tiny_model_dir, tmp_path,
 
 
 def test_decode_step_rejects_a_missing_model(tmp_path, capsys):
-    assert cli.main(["bench", "decode-step", "--model", str(tmp_path), "--batch-sizes", "1"]) == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "decode-step", "--model", str(tmp_path), "--batch-sizes", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "epd bench decode-step: error:" in err and "not a checkpoint directory" in err

@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from control.autoscale import AutoscalePolicy
 from encode_svc.server import ReplicaPool
 from epd import rpc
-from epd.autoscale import AutoscalePolicy
 from epd.config import AutoscaleConfig
 from epd.discovery import Balancer, Endpoint, Registry
 

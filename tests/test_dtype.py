@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.synthetic import make_image
+from decode_svc.batch import DecodeBatch
 from epd import checkpoint, positions
 from epd.lm import TextModelRunner
-from epd.synthetic import make_image
 
 # Measured on the tiny checkpoint (random weights, init 0.1: sharper than a trained model):
 # bfloat16 KL <= 0.004 nats per step, the reference token's logprob drifting ~0.04 on average and up
@@ -51,7 +52,7 @@ def test_half_precision_stays_close_to_float32_transformers(dtype, tiny_model_di
         pos, rope_delta = positions.mrope_positions(len(ids), spans)
         state = runner.new_state()
         got = [runner.logits(runner.forward(embeds, pos, state))]
-        batch = runner.new_batch()
+        batch = DecodeBatch(runner)
         batch.add(state)
         for step, token in enumerate(tokens[:-1]):
             position = positions.decode_position(prompt_len, step, rope_delta)

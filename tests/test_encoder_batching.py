@@ -9,11 +9,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from encode_svc.worker import STOP, EncoderWorker, next_batch
+from bench.synthetic import make_image
+from control.redis_server import EmbeddedRedis
+from encode_svc.engine import STOP, EncoderEngine, next_batch
 from epd import imaging
-from epd.redis_server import EmbeddedRedis
+from epd.config import EncodeConfig, ServeConfig, StoreConfig
+from epd.discovery import RoleContext
 from epd.store import EmbeddingStore
-from epd.synthetic import make_image
 
 
 @dataclass
@@ -56,8 +58,9 @@ def redis_url():
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, redis_url):
-    w = EncoderWorker(tiny_model_dir, redis_url, ttl_s=60, max_decoded_pixels=64 * 1024 * 1024, num_threads=1,
-                      max_batch_patches=4096)
+    serve = ServeConfig(model_dir=tiny_model_dir, store=StoreConfig(redis_url=redis_url, ttl_s=60),
+                        encode=EncodeConfig(num_threads=1, max_batch_patches=4096))
+    w = EncoderEngine(serve, RoleContext(name="encoder-test"))
     yield w
     w.stop()
 
@@ -105,17 +108,27 @@ def test_concurrent_encodes_are_batched_and_each_stored_correctly(worker, redis_
         assert 0 < result.store_write_s <= result.encode_s
 
 
-def test_bad_image_in_a_burst_fails_alone(worker):
-    results = [None, None]
+def test_an_image_that_fails_to_decode_never_reaches_a_batch(worker):
+    """A truncated image passes the header check but fails to decode: it comes back as that
+    image's error (bad input, not a failed batch) and takes no part in any forward, while the good
+    images sent with it encode."""
+    data = make_image(300, 300, seed=41)
+    truncated = data[: len(data) // 2]
+    before_images = worker.num_encoded
+    results = [None] * 4
+    start = threading.Barrier(4)
 
-    def call(index, data):
-        results[index] = worker.encode(f"test:bad:{index}", data, 0)
+    def call(index, image):
+        start.wait()
+        results[index] = worker.encode(f"test:bad:{index}", image, 0)
 
-    threads = [threading.Thread(target=call, args=(0, b"not an image")),
-               threading.Thread(target=call, args=(1, IMAGES[2]))]
+    images = [IMAGES[2], truncated, IMAGES[3], IMAGES[5]]
+    threads = [threading.Thread(target=call, args=(i, image)) for i, image in enumerate(images)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert "image" in results[0].error and results[0].num_tokens == 0
-    assert results[1].error == "" and results[1].num_tokens > 0
+    assert "corrupt or truncated" in results[1].error and results[1].num_tokens == 0
+    assert [r.error for i, r in enumerate(results) if i != 1] == ["", "", ""]
+    assert all(r.num_tokens > 0 for i, r in enumerate(results) if i != 1)
+    assert worker.num_encoded - before_images == 3  # only the good images went through the ViT

@@ -151,7 +151,7 @@ def _ray_start(hosts: TwoHosts, host: str, temp_dir: Path, *extra: str) -> None:
 
 
 def _epd(hosts: TwoHosts, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return hosts.exec("a", sys.executable, "-m", "epd.cli", *args, check=False, timeout=timeout)
+    return hosts.exec("a", sys.executable, "-m", "control.cli", *args, check=False, timeout=timeout)
 
 
 def test_roles_spread_over_two_hosts_by_resource_and_answers_match(hosts, tiny_model_dir, oracle, tmp_path):

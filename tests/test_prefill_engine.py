@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
+from bench.synthetic import make_image
+from control.redis_server import EmbeddedRedis
 from epd import positions
 from epd.config import PrefillConfig
 from epd.lm import TextModelRunner
 from epd.modelinfo import ModelInfo
-from epd.redis_server import EmbeddedRedis
 from epd.sampling import SamplingConfig
 from epd.store import Embedding, EmbeddingStore, store_key
-from epd.synthetic import make_image
 from epd.v1 import epd_pb2
 from prefill_svc.engine import PrefillEngine
 
@@ -174,14 +174,14 @@ def test_embedding_lru_serves_repeats_and_stays_within_its_cap(oracle, info, red
 def test_missing_embedding_is_failed_precondition(oracle, info, redis_url, make_engine):
     import grpc
 
-    from epd import rpc
+    from epd import errors, rpc
 
     engine = make_engine(embedding_cache_mb=0)
     case = Case(oracle, info, redis_url, user("Gone.", WIDE), max_new_tokens=1)
     EmbeddingStore(redis_url).delete([case.refs[0].store_key])
-    with pytest.raises(rpc.RpcFailure) as raised:
+    with pytest.raises(errors.FailedPrecondition) as raised:
         engine.run(case.request(), GREEDY)
-    assert raised.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert rpc.status_of(raised.value)[0] is grpc.StatusCode.FAILED_PRECONDITION  # the router re-encodes on it
 
 
 def test_a_short_prompt_is_not_stuck_behind_a_long_one(oracle, info, redis_url, make_engine):
@@ -196,7 +196,7 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_one(oracle, info, redis_url, 
 
     long_thread = threading.Thread(target=run, args=("long", long_case))
     long_thread.start()
-    while not len(engine._scheduler):  # the long prompt is running
+    while not engine.num_waiting():  # the long prompt is running
         time.sleep(0.001)
     run("short", short_case)
     long_thread.join()

@@ -5,16 +5,9 @@ import math
 import pytest
 import torch
 
-from epd.sampling import (
-    MAX_LOGPROBS,
-    SamplingConfig,
-    TokenLogprobs,
-    logprobs_to_proto,
-    sample,
-    sampling_from_proto,
-    validate,
-)
+from epd.sampling import MAX_LOGPROBS, SamplingConfig, TokenLogprobs, sample, validate
 from epd.v1 import epd_pb2
+from epd.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
 
 VOCAB = 64
 
@@ -185,6 +178,7 @@ def test_sampling_from_proto_round_trip():
     assert not config.greedy
     again = epd_pb2.ResolvedSampling.FromString(message.SerializeToString())
     assert sampling_from_proto(again) == config
+    assert sampling_from_proto(sampling_to_proto(config)) == config
 
 
 def test_sampling_from_proto_validates():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import signal
 
+from bench.synthetic import make_image
 from epd import client, rpc
-from epd.synthetic import make_image
 from tests.conftest import ServeProcess
 
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from epd.redis_server import EmbeddedRedis
+from control.redis_server import EmbeddedRedis
 from epd.store import MAGIC, VERSION, Embedding, EmbeddingStore, decode_value, encode_value, store_key
 
 
@@ -132,7 +132,7 @@ def test_embedded_server_evicts_under_memory_cap():
         old = keys[:5]
         for i, key in enumerate(keys):
             if i == len(old):
-                time.sleep(1.1)  # redis' LRU clock ticks once a second: make the first keys truly older
+                time.sleep(2.5)  # redis' LRU clock ticks once a second (on its cron): make the first keys clearly older
             s.put(key, Embedding(torch.full((one_mb,), float(i)), (1, 2, 2)))  # never raises (OOM)
         present = s.exists_many(keys)
         assert not any(present[: len(old)]), present  # the oldest are gone

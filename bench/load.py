@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import grpc
 from tqdm.auto import tqdm
 
+from bench.metrics import RequestRecord
+from bench.workload import Conversation, Turn, Workload
 from epd import rpc
-from epd.bench.metrics import RequestRecord
-from epd.bench.workload import Conversation, Turn, Workload
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 

@@ -1,5 +1,5 @@
 """The transformers baseline: the same workload through ``Qwen3_5ForConditionalGeneration.generate``,
-one request at a time in this process, on the same weights and dtype (via ``epd.oracle.Oracle``).
+one request at a time in this process, on the same weights and dtype (via ``bench.oracle.Oracle``).
 
 Each request is timed like an epd request: from before its inputs are built (chat template,
 tokenization, image preprocessing: the work epd's router and encoders do inside TTFT) to each
@@ -13,8 +13,8 @@ import time
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from epd.bench.metrics import RequestRecord
-from epd.bench.workload import Turn, Workload
+from bench.metrics import RequestRecord
+from bench.workload import Turn, Workload
 
 
 class TokenClock(BaseStreamer):
@@ -47,7 +47,7 @@ def run_transformers(model_dir: str, dtype: str, workload: Workload, output_toke
     """
     import torch
 
-    from epd.oracle import Oracle
+    from bench.oracle import Oracle
 
     if num_threads:
         torch.set_num_threads(num_threads)

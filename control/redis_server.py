@@ -39,7 +39,7 @@ class EmbeddedRedis:
         args = [
             binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
             "--save", "", "--appendonly", "no", "--dir", self._dir, "--daemonize", "no",
-            "--maxmemory", f"{max_memory_mb}mb", "--maxmemory-policy", "allkeys-lru",
+            "--maxmemory", f"{max_memory_mb}mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10",
             "--logfile", os.path.join(self._dir, "redis.log"),
         ]
         self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from epd.synthetic import make_image
+from bench.synthetic import make_image
 
 _SIZE = re.compile(r"^\s*(\d+)x(\d+)(?::([0-9]*\.?[0-9]+))?\s*$")
 

@@ -14,22 +14,22 @@ import os
 import platform
 from dataclasses import dataclass
 
-from epd.bench.load import LoadRunner, LoadSettings
-from epd.bench.metrics import (
+from bench.load import LoadRunner, LoadSettings
+from bench.metrics import (
     LATENCY_KEYS,
     Slo,
     latency_samples,
     stage_figures,
     summarize,
 )
-from epd.bench.workload import (
+from bench.workload import (
     ImageSize,
     PromptMaker,
     Workload,
     WorkloadSpec,
     build_workload,
 )
-from epd.config import DTYPE_CHOICES, ConfigError
+from epd.config import ConfigError, DeployConfig
 
 BASELINES = ("transformers",)
 
@@ -52,9 +52,9 @@ class BenchConfig:
     image_sizes: tuple[ImageSize, ...] = ()
     """Sizes to draw images from, with relative weights."""
     addr: str | None = None
-    """A running router's HOST:PORT; or None to start a local stack from ``model_dir``."""
-    model_dir: str | None = None
-    """Checkpoint to serve locally (and to run the baseline on)."""
+    """A running router's HOST:PORT; or None to start the local stack ``stack``."""
+    stack: DeployConfig | None = None
+    """The local stack to start for the run (its checkpoint is also the baseline's)."""
     concurrency: int | None = None
     """Closed loop: conversations in flight."""
     request_rate: float | None = None
@@ -73,10 +73,6 @@ class BenchConfig:
     """Goodput counts requests whose TTFT is at most this (seconds)."""
     slo_tpot_s: float | None = None
     """Goodput counts requests whose TPOT is at most this (seconds)."""
-    dtype: str = "float32"
-    """Language-model dtype of the local stack and the baseline."""
-    encoders: int = 1
-    """Encoder replicas of the local stack."""
     timeout_s: float = 600.0
     """Per-request deadline."""
     warmup: int = 1
@@ -85,11 +81,9 @@ class BenchConfig:
     """torch threads of the baseline; 0: torch's default (one per core)."""
 
     def __post_init__(self) -> None:
-        _check((self.addr is None) != (self.model_dir is None), "addr/model", "give exactly one of --addr and --model")
+        _check((self.addr is None) != (self.stack is None), "addr/model", "give exactly one of --addr and --model")
         _check((self.concurrency is None) != (self.request_rate is None), "concurrency/request_rate",
                "give exactly one of --concurrency and --request-rate")
-        _check(self.model_dir is None or os.path.isfile(os.path.join(self.model_dir, "config.json")), "model",
-               f"{self.model_dir!r} is not a checkpoint directory (no config.json)")
         _check(1 <= self.num_requests <= 1_000_000, "num_requests", f"must be in [1, 1000000], got {self.num_requests}")
         _check(0 <= self.images_per_request <= 64, "images_per_request",
                f"must be in [0, 64], got {self.images_per_request}")
@@ -107,14 +101,21 @@ class BenchConfig:
         _check(self.baseline in (None, *BASELINES), "baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
         _check(self.baseline is None or self.model_dir is not None, "baseline",
                "--baseline transformers runs on local weights: give --model DIR (not --addr)")
-        _check(self.dtype in DTYPE_CHOICES, "dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _check(0 <= self.baseline_threads <= 1024, "baseline_threads",
                f"must be in [0, 1024], got {self.baseline_threads}")
         _check(0 <= self.warmup <= 1000, "warmup", f"must be in [0, 1000], got {self.warmup}")
-        _check(1 <= self.encoders <= 256, "encoders", f"must be in [1, 256], got {self.encoders}")
         for name in ("slo_ttft_s", "slo_tpot_s", "timeout_s"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"must be > 0, got {value}")
+
+    @property
+    def model_dir(self) -> str | None:
+        return self.stack.serve.model_dir if self.stack else None
+
+    @property
+    def dtype(self) -> str:
+        """The language model's dtype (the baseline runs in it too); float32 against a remote router."""
+        return self.stack.serve.prefill.dtype if self.stack else "float32"
 
     def workload_spec(self) -> WorkloadSpec:
         return WorkloadSpec(
@@ -126,6 +127,7 @@ class BenchConfig:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["image_sizes"] = [str(size) for size in self.image_sizes]
+        out["model_dir"], out["dtype"] = self.model_dir, self.dtype
         return out
 
 
@@ -151,7 +153,7 @@ def run_bench(config: BenchConfig) -> dict:
     if config.baseline == "transformers":
         import torch
 
-        from epd.bench.baseline import run_transformers
+        from bench.baseline import run_transformers
 
         base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload, config.output_tokens,
                                                        config.baseline_threads)
@@ -174,13 +176,9 @@ def _run_epd(config: BenchConfig, workload: Workload):
                             timeout_s=config.timeout_s)
     if config.addr:
         return LoadRunner(config.addr, settings).run(workload)
-    from epd.config import DecodeConfig, EncodeConfig, PrefillConfig, ServeConfig
-    from epd.serve import LocalStack
+    from control.local import LocalStack
 
-    stack = LocalStack(ServeConfig(
-        model_dir=config.model_dir, encode=EncodeConfig(num_replicas=config.encoders, dtype=config.dtype),
-        prefill=PrefillConfig(dtype=config.dtype), decode=DecodeConfig(dtype=config.dtype),
-    ))
+    stack = LocalStack(config.stack)
     try:
         return LoadRunner(stack.start(), settings).run(workload)
     finally:
@@ -203,7 +201,7 @@ def _write_json(path: str, report: dict) -> None:
 
 
 def _write_plot(config: BenchConfig, report: dict, samples: dict) -> None:
-    from epd.bench.plot import write_plot
+    from bench.plot import write_plot
 
     systems = {"epd": report, **({"transformers": report["baseline"]} if "baseline" in report else {})}
     sizes = ",".join(f"{s.width}x{s.height}" for s in config.image_sizes) or "none"

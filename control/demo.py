@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import sys
 
+from bench.synthetic import make_image
+from control.local import LocalStack
 from epd import client
-from epd.config import ServeConfig
-from epd.serve import LocalStack
-from epd.synthetic import make_image
+from epd.config import DeployConfig, ServeConfig
 
 PROMPT = "What is in this picture?"
 MAX_TOKENS = 32
@@ -19,7 +19,7 @@ MAX_TOKENS = 32
 
 def run_demo(model_dir: str) -> int:
     image = make_image(448, 448, seed=1)
-    stack = LocalStack(ServeConfig(model_dir=model_dir))
+    stack = LocalStack(DeployConfig(serve=ServeConfig(model_dir=model_dir)))
     try:
         address = stack.start()
         print(f"epd ready at {address}")
@@ -35,7 +35,7 @@ def run_demo(model_dir: str) -> int:
               f"finish {s.finish_reason}, ttft {s.ttft_s * 1000:.0f} ms, e2e {s.e2e_s * 1000:.0f} ms")
     finally:
         stack.stop()
-    from epd.oracle import Oracle
+    from bench.oracle import Oracle
 
     expected, _, _ = Oracle(model_dir).generate(PROMPT, [image], max_new_tokens=MAX_TOKENS)
     match = expected == result.token_ids

@@ -27,12 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from epd import checkpoint, imaging
+from epd.config import ServeConfig
+from epd.discovery import RoleContext
+from epd.modelinfo import ModelInfo
 from epd.store import Embedding, EmbeddingStore
 from epd.tensors import configure_threads, default_device, parse_dtype
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH_PATCHES = 16384  # ~20 images of 448x448 (784 patches each) per forward
 STOP = object()  # queued by ``stop``: the batching thread exits when it reaches it
 
 
@@ -59,21 +61,19 @@ class _Job:
         return self.pixel_values.shape[0]
 
 
-class EncoderWorker:
+class EncoderEngine:
     # How launchers create the actor: enough concurrent calls for images to queue up and batch.
     ACTOR_OPTIONS = {"max_concurrency": 64}
 
-    def __init__(self, model_dir: str, redis_url: str, ttl_s: int, max_decoded_pixels: int, num_threads: int = 0,
-                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES, dtype: str = "float32") -> None:
-        configure_threads(num_threads)
-        if max_batch_patches < 1:
-            raise ValueError(f"max_batch_patches must be at least 1, got {max_batch_patches}")
-        self.vision = checkpoint.build_vision_model(model_dir, dtype=parse_dtype(dtype), device=default_device())
-        self.settings = imaging.ImageSettings.from_preprocessor_config(
-            os.path.join(model_dir, "preprocessor_config.json"), max_decoded_pixels=max_decoded_pixels
-        )
-        self.store = EmbeddingStore(redis_url, ttl_s=ttl_s)
-        self.max_batch_patches = max_batch_patches
+    def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        config = serve.encode
+        configure_threads(config.num_threads)
+        self.name = context.name
+        self.vision = checkpoint.build_vision_model(serve.model_dir, dtype=parse_dtype(config.dtype),
+                                                    device=default_device())
+        self.settings = ModelInfo.load(serve.model_dir).image_settings(config.max_decoded_pixels)
+        self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
+        self.max_batch_patches = config.max_batch_patches
         self.num_encoded = 0
         self.num_batches = 0
         self._queue: queue.Queue = queue.Queue()

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 import torch
 from tqdm.auto import tqdm
 
+from decode_svc.batch import DecodeBatch
 from epd import positions
 from epd.lm import TextModelRunner
 
@@ -64,7 +65,7 @@ def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, w
     state = runner.new_state()
     pos, _ = positions.mrope_positions(_PROMPT_TOKENS, [])
     first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
-    batch = runner.new_batch()
+    batch = DecodeBatch(runner)
     for _ in range(batch_size):
         batch.add(state.clone())
     tokens = [first] * batch_size

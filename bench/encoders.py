@@ -1,6 +1,6 @@
 """Encoder scaling benchmark: encode-bound throughput and multi-image TTFT at several replica counts.
 
-    python -m epd.bench_encoders --model DIR --replicas 1,2 --images 32 --size 448x448
+    python -m bench.encoders --model DIR --replicas 1,2 --images 32 --size 448x448
 
 One local stack (``epd serve``'s: local Ray, embedded Redis) with as many encoder replicas as the
 largest count, each replica limited to ``--threads`` torch threads (default 1, so N replicas use N
@@ -25,14 +25,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from bench.synthetic import make_image
 from epd import client, rpc
 from epd.config import DeployConfig, EncodeConfig, ServeConfig
-from epd.synthetic import make_image
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd.bench_encoders", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.encoders", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts")
     parser.add_argument("--images", type=int, default=32, help="images per throughput run")
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     width, height = (int(v) for v in args.size.lower().split("x"))
     seeds = itertools.count(1_000_000)
 
-    from epd.serve import LocalStack
+    from control.local import LocalStack
 
-    config = DeployConfig(serve=ServeConfig(model_dir=args.model,
-                                            encode=EncodeConfig(num_replicas=counts[0], num_threads=args.threads)))
+    config = DeployConfig(serve=ServeConfig(model_dir=args.model, encode=EncodeConfig(num_threads=args.threads)),
+                          num_encoders=counts[0])
     stack = LocalStack(config)
     rows = []
     try:

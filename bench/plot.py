@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from epd.bench.metrics import LATENCY_KEYS
+from bench.metrics import LATENCY_KEYS
 
 TITLES = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "inter-token latency", "e2e_s": "end-to-end latency"}
 

@@ -12,22 +12,31 @@ finishes what it holds (in-flight gRPC calls, decode requests, queued images), a
 stopped and removed. In-flight requests never fail because a replica left.
 
 The driver side (``deploy``, ``scale``, ``status``, ``down``) connects to a running cluster by
-address; ``epd serve`` uses the same controller on a fresh local Ray (``epd.serve``).
+address; ``epd serve`` uses the same controller on a fresh local Ray (``control.local``).
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import threading
 import time
-from dataclasses import replace
 
 import ray
 
+from control.autoscale import AutoscalePolicy, Decision
 from epd import discovery, rpc
-from epd.autoscale import AutoscalePolicy, Decision
-from epd.config import ROLES, SCALABLE_ROLES, DeployConfig
+from epd.config import ROLES, DeployConfig
+
+ROLE_ACTORS = {
+    "encoder": "encode_svc.engine:EncoderEngine",
+    "encode": "encode_svc.server:EncodeServer",
+    "prefill": "prefill_svc.server:PrefillServer",
+    "decode": "decode_svc.server:DecodeServer",
+    "router": "router_svc.server:RouterServer",
+}
+"""The class each role's replicas run as: every one takes ``(ServeConfig, RoleContext)``."""
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +64,8 @@ class Controller:
     def start(self) -> list[str]:
         """Start every role in dependency order; returns the routers' addresses."""
         cfg = self.config
-        self._add("encoder", cfg.replicas("encoder"))
-        self._add("encode", 1)
-        self._add("decode", cfg.num_decode)
-        self._add("prefill", cfg.num_prefill)
-        self._add("router", cfg.num_routers)
+        for role in ("encoder", "encode", "decode", "prefill", "router"):  # each after what it calls
+            self._add(role, cfg.replicas(role))
         if cfg.autoscale.enabled:
             self._autoscaler = threading.Thread(target=self._autoscale_loop, name="autoscaler", daemon=True)
             self._autoscaler.start()
@@ -108,8 +114,8 @@ class Controller:
 
     def scale(self, role: str, count: int) -> int:
         """Set ``role``'s replica count (``epd scale``); returns the count reached."""
-        if role not in SCALABLE_ROLES:
-            raise ValueError(f"cannot scale {role!r}; scalable roles are {', '.join(SCALABLE_ROLES)}")
+        if role not in ROLES:
+            raise ValueError(f"cannot scale {role!r}; roles are {', '.join(ROLES)}")
         if role == "encoder" and self.config.autoscale.enabled:
             raise ValueError("encoders are autoscaled between "
                              f"{self.config.autoscale.min_replicas} and {self.config.autoscale.max_replicas}; "
@@ -153,37 +159,23 @@ class Controller:
         self.metrics.replicas(role, self.num_replicas(role))
 
     def _create(self, role: str, name: str) -> ray.actor.ActorHandle:
-        from decode_svc.server import DecodeServer
-        from encode_svc.server import EncodeServer
-        from encode_svc.worker import EncoderWorker
-        from prefill_svc.engine import PrefillServer
-        from router_svc.server import RouterServer
+        module, _, cls_name = ROLE_ACTORS[role].partition(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        cfg = self.config
+        options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name}
+        if role == "encoder":  # Ray restarts a dead replica; its Encoder services retry its images
+            options.update(max_restarts=3, max_task_retries=1)
+        context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
+                                        poll_s=cfg.poll_s)
+        return ray.remote(cls).options(**options).remote(cfg.serve, context)
 
-        cfg, serve = self.config, self.config.serve
-        model, redis_url = serve.model_dir, serve.store.redis_url
-        host = rpc.NODE_ADDRESS if cfg.bind == "node" else "127.0.0.1"
-        options = {**cfg.role_resources(role).ray_options(), "name": name}
-        common = {"registry": self.registry, "name": name, "poll_s": cfg.poll_s}
-        if role == "encoder":
-            # The worker may ask for options of its own (batching needs max_concurrency).
-            options = {**getattr(EncoderWorker, "ACTOR_OPTIONS", {}), **options, "max_restarts": 3, "max_task_retries": 1}
-            return ray.remote(EncoderWorker).options(**options).remote(
-                model, redis_url, serve.store.ttl_s, serve.encode.max_decoded_pixels, serve.encode.num_threads,
-                max_batch_patches=serve.encode.max_batch_patches, dtype=serve.encode.dtype)
-        if role == "encode":
-            return ray.remote(EncodeServer).options(**options).remote(host=host, **common)
-        if role == "decode":
-            return ray.remote(DecodeServer).options(**options).remote(
-                model, serve.decode.dtype, serve.decode.handoff_lease_s, serve.decode.num_threads, host,
-                max_batch_size=serve.decode.max_batch_size)
-        if role == "prefill":
-            return ray.remote(PrefillServer).options(**options).remote(
-                model, redis_url, "", serve.prefill, host, **common)
-        router = serve.router
-        if cfg.bind == "node" and router.host == "127.0.0.1":
-            router = replace(router, host=rpc.NODE_ADDRESS)
-        return ray.remote(RouterServer).options(**options).remote(
-            model, redis_url, "", "", router, serve.encode.max_decoded_pixels, **common)
+    def _bind_host(self, role: str) -> str:
+        """Loopback on one machine; the node's IP on a cluster (roles on other nodes must reach
+        it). The router binds ``--host`` when one was given."""
+        router_host = self.config.serve.router.host
+        if role == "router" and (self.config.bind == "loopback" or router_host != "127.0.0.1"):
+            return router_host
+        return rpc.NODE_ADDRESS if self.config.bind == "node" else "127.0.0.1"
 
     def _remove(self, role: str, names: list[str]) -> None:
         """Drain ``names``: no new work, finish what they hold, then stop."""

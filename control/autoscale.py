@@ -6,7 +6,7 @@ happens at once (a burst should not wait); scaling down only after the load has 
 current count for ``cooldown_s``, and never sooner than ``cooldown_s`` after the last change, so a
 gap between two bursts does not tear replicas down and start them again.
 
-The controller (``epd.cluster``) acts on a decision by creating encoder actors that ask Ray for
+The controller (``control.controller``) acts on a decision by creating encoder actors that ask Ray for
 the role's resources: where the cluster lacks them, the actor waits and Ray's cluster autoscaler
 adds a node of a type that has them (``deploy/*.yaml``).
 """

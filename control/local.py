@@ -1,7 +1,7 @@
 """Start every role on a fresh local Ray instance: ``epd serve``.
 
 The store first (an embedded redis-server unless a URL is given), then a local Ray, then the same
-``Controller`` that ``epd deploy`` puts on a cluster (``epd.cluster``), bound to loopback. Every
+``Controller`` that ``epd deploy`` puts on a cluster (``control.controller``), bound to loopback. Every
 role is a Ray actor, so each runs in its own worker process with only its own weights; Ray
 restarts a dead encoder replica. ``stop`` stops the controller (and with it every role), shuts Ray
 down and stops the embedded Redis, leaving no process behind.
@@ -14,18 +14,18 @@ import os
 import time
 from dataclasses import replace
 
+from control.redis_server import EmbeddedRedis
 from epd import rpc
-from epd.config import DeployConfig, ServeConfig
-from epd.redis_server import EmbeddedRedis
+from epd.config import DeployConfig
 from epd.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
 
 
 class LocalStack:
-    def __init__(self, config: ServeConfig | DeployConfig) -> None:
-        self.deploy = config if isinstance(config, DeployConfig) else DeployConfig(serve=config)
-        self.config = self.deploy.serve
+    def __init__(self, config: DeployConfig) -> None:
+        self.deploy = config
+        self.config = config.serve
         self.redis: EmbeddedRedis | None = None
         self.redis_url = self.config.store.redis_url or ""
         self.controller = None
@@ -45,7 +45,7 @@ class LocalStack:
         # prefill, 3000 spins cost ~10% alone against ~30% for no spin (OMP_WAIT_POLICY=PASSIVE)
         # and match it under contention. Role processes inherit it from the raylet this starts.
         os.environ.setdefault("GOMP_SPINCOUNT", "3000")
-        from epd.cluster import create_controller
+        from control.controller import create_controller
 
         try:
             self._start_store()
@@ -90,7 +90,7 @@ class LocalStack:
         if self._ray_started:
             import ray
 
-            from epd.cluster import stop_controller
+            from control.controller import stop_controller
 
             if self.controller is not None:
                 stop_controller(self.controller)

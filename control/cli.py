@@ -1,0 +1,542 @@
+"""The ``epd`` command: create checkpoints, serve them, deploy them on a Ray cluster, send requests,
+benchmark.
+
+Every user error ends in one line (``epd <command>: error: ...`` or the service's
+``STATUS_NAME: message``) and a non-zero exit, never a traceback. Serving flags come from the
+config dataclasses (``control.flags``), so their defaults and help have one source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from control import flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `epd bench decode-step` has its own options; `epd bench --addr ...` must not need a subcommand.
+    decode_step = argv[:2] == ["bench", "decode-step"]
+    parser = _decode_step_parser() if decode_step else _parser()
+    args = parser.parse_args(argv[2:] if decode_step else argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's status for SIGINT
+        print(file=sys.stderr)
+        return 130
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default (flags whose default lives in a config dataclass say it in their help)."""
+
+    def _get_help_string(self, action):
+        if action.default is argparse.SUPPRESS or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="Disaggregated Encode/Prefill/Decode serving for Qwen3.5")
+    sub = parser.add_subparsers()
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=_Formatter, **kwargs)
+
+    model = sub.add_parser("model", help="checkpoints").add_subparsers()
+    create = model.add_parser("create", formatter_class=_Formatter,
+                              help="write a checkpoint with random weights in the real architecture")
+    create.add_argument("--preset", required=True, choices=["tiny", "qwen3.5-0.8b"])
+    create.add_argument("--out", required=True, help="directory to write")
+    create.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="seed of the random weights")
+    create.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    create.set_defaults(func=_cmd_model_create, parser=create)
+
+    serve = command("serve", help="start every role on a local Ray instance")
+    flags.add_flags(serve, flags.SERVE)
+    serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
+    serve.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.set_defaults(func=_cmd_serve, parser=serve)
+
+    deploy = command("deploy", help="place every role on a running Ray cluster by Ray resources")
+    deploy.add_argument("--address", required=True, type=_address, help="Ray cluster address (HEAD_IP:6379)")
+    flags.add_flags(deploy, flags.DEPLOY)
+    deploy.add_argument("--config", default=None, metavar="TOML",
+                        help="role resources and autoscaling (see deploy/roles.toml)")
+    deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
+    deploy.set_defaults(func=_cmd_deploy, parser=deploy)
+
+    scale = command("scale", help="change a role's replica count on a running deployment")
+    scale.add_argument("--address", required=True, type=_address, help="Ray cluster address")
+    scale.add_argument("--namespace", default="epd")
+    scale.add_argument("role", choices=list(_ROLE_NAMES))
+    scale.add_argument("count", type=_int_in(1, 256))
+    scale.set_defaults(func=_cmd_scale, parser=scale)
+
+    status = command("status", help="a deployment's replicas and where Ray placed them")
+    status.add_argument("--address", required=True, type=_address, help="Ray cluster address")
+    status.add_argument("--namespace", default="epd")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_cmd_status, parser=status)
+
+    down = command("down", help="stop a deployment (the cluster keeps running)")
+    down.add_argument("--address", required=True, type=_address, help="Ray cluster address")
+    down.add_argument("--namespace", default="epd")
+    down.set_defaults(func=_cmd_down, parser=down)
+
+    demo = command("demo", help="serve a checkpoint, send one image request, compare with transformers")
+    demo.add_argument("--model", required=True)
+    demo.set_defaults(func=_cmd_demo, parser=demo)
+
+    _add_generate_parser(command)
+    _add_bench_parser(command)
+    return parser
+
+
+def _add_generate_parser(command) -> None:
+    gen = command("generate", help="send one request to a running router and stream the answer")
+    gen.add_argument("--addr", required=True, type=_address, help="router HOST:PORT")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one user turn (with --image files)")
+    what.add_argument("--messages", metavar="FILE.json",
+                      help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
+                           '{"type": "image", "image": PATH}]}], image paths relative to the file')
+    gen.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
+    gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None,
+                     help="tokens to generate at most (none: the server's default)")
+    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, help="0 or none: greedy")
+    gen.add_argument("--top-p", type=_float_in(0, 1), default=None, help="nucleus sampling mass, (0, 1]")
+    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, help="0 or none: off")
+    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None,
+                     help="sampling seed (none with --temperature > 0: the server picks one)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None,
+                     help="lower the per-image pixel cap for this request (none: the model's)")
+    gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, help="seconds before giving up (none: no limit)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with the result as the last line")
+    gen.set_defaults(func=_cmd_generate, parser=gen)
+
+
+def _add_bench_parser(command) -> None:
+    bench = command(
+        "bench", help="load-test a router (or a local stack) and compare with transformers",
+        description="Send a seeded synthetic workload (images, prompts, multi-turn conversations) to epd and "
+                    "report TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.",
+        epilog="Also: `epd bench decode-step --model DIR --batch-sizes 1,4,16` times the decode step alone "
+               "(see `epd bench decode-step --help`).",
+    )
+    target = bench.add_mutually_exclusive_group(required=True)
+    target.add_argument("--addr", type=_address, help="a running router's HOST:PORT")
+    target.add_argument("--model", metavar="DIR", help="checkpoint: start a local stack for the run, stop it after")
+    bench.add_argument("--num-requests", type=_int_in(1, 10**6), required=True, metavar="N",
+                       help="requests in all (a conversation of --turns T counts T)")
+    mode = bench.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--concurrency", type=_int_in(1, 4096), metavar="C", help="closed loop: C conversations in flight")
+    mode.add_argument("--request-rate", type=_float_in(0, 1e6, low_open=True), metavar="R",
+                      help="open loop: R conversations per second, Poisson arrivals")
+    bench.add_argument("--image-sizes", type=_image_sizes, default=(), metavar="WxH[:P],...",
+                       help="image sizes with relative weights P (default 1), e.g. 448x448,1280x720:3")
+    bench.add_argument("--images-per-request", type=_int_in(0, 64), required=True, metavar="K",
+                       help="images per request (0: text only)")
+    bench.add_argument("--prompt-tokens", type=_int_in(1, 10**6), required=True, metavar="T",
+                       help="about T tokens of text per user turn")
+    bench.add_argument("--output-tokens", type=_int_in(1, 10**6), required=True, metavar="O",
+                       help="exactly O generated tokens per request (greedy, EOS ignored)")
+    bench.add_argument("--repeat-ratio", type=_float_in(0, 1), default=0.0, metavar="F",
+                       help="probability an image reuses an earlier image's bytes")
+    bench.add_argument("--turns", type=_int_in(1, 1000), default=1, metavar="N",
+                       help="turns per conversation; later turns resend the earlier ones with their answers")
+    bench.add_argument("--seed", type=int, default=0, help="fixes images, prompts, repeats and arrivals")
+    bench.add_argument("--baseline", choices=["transformers"], default=None,
+                       help="also run the workload through transformers' generate (needs --model)")
+    bench.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as one JSON object")
+    bench.add_argument("--plot", dest="plot_path", metavar="PATH", help="write latency CDFs and throughput as a PNG")
+    bench.add_argument("--slo-ttft", type=_float_in(0, 1e6, low_open=True), metavar="S",
+                       help="goodput: TTFT at most S seconds")
+    bench.add_argument("--slo-tpot", type=_float_in(0, 1e6, low_open=True), metavar="S",
+                       help="goodput: TPOT at most S seconds")
+    bench.add_argument("--baseline-threads", type=_int_in(0, 1024), default=0, metavar="N",
+                       help="torch threads for the baseline (0: torch's default, one per core)")
+    bench.add_argument("--timeout", type=_float_in(0, 1e6, low_open=True), default=600.0, metavar="S",
+                       help="per-request deadline")
+    bench.add_argument("--warmup", type=_int_in(0, 1000), default=1, metavar="N",
+                       help="untimed requests sent to each system before its run")
+    stack = bench.add_argument_group("the local stack (with --model)")
+    flags.add_flags(stack, flags.BENCH_STACK)
+    stack.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
+    bench.set_defaults(func=_cmd_bench, parser=bench)
+
+
+def _decode_step_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd bench decode-step", formatter_class=_Formatter,
+                                     description="Time one decode step of the language model at each batch size.")
+    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, required=True, metavar="B,B,...", help="e.g. 1,4,16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    parser.set_defaults(func=_cmd_bench_decode_step, parser=parser)
+    return parser
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+def _address(text: str) -> str:
+    """HOST:PORT, the port required (a bare host would silently mean another port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in [1, 65535], got {text!r}")
+    return text
+
+
+def _image_sizes(text: str):
+    from bench.workload import parse_image_sizes
+
+    try:
+        return parse_image_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+    return sizes
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _cmd_bench(args) -> int:
+    from bench.run import BenchConfig, format_report, run_bench
+    from epd.config import ConfigError
+
+    stack_flags = [f.option for f in flags.BENCH_STACK if hasattr(args, f.dest)] + (["--config"] if args.config else [])
+    if args.addr and stack_flags:
+        args.parser.error(f"{', '.join(stack_flags)} configure the local stack: use them with --model, not --addr")
+    if args.baseline_threads and not args.baseline:
+        args.parser.error("--baseline-threads applies to --baseline transformers")
+    if args.baseline and not args.model:
+        args.parser.error("--baseline transformers runs on local weights: give --model DIR, not --addr")
+    try:
+        stack = None
+        if args.model:
+            stack = flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model)
+        config = BenchConfig(
+            addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
+            request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
+            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, repeat_ratio=args.repeat_ratio,
+            turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
+            plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
+            warmup=args.warmup, baseline_threads=args.baseline_threads,
+        )
+    except ConfigError as error:
+        args.parser.error(str(error))
+    if args.model:
+        _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
+    report = run_bench(config)
+    print(format_report(report))
+    if config.json_path:
+        print(f"wrote {config.json_path}")
+    if config.plot_path:
+        print(f"wrote {config.plot_path}")
+    return 1 if report["failed"] == report["num_requests"] else 0
+
+
+def _cmd_bench_decode_step(args) -> int:
+    from bench.decode_step import run_decode_step_bench
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        args.parser.error(f"{args.model!r} is not a checkpoint directory (no config.json)")
+    run_decode_step_bench(args.model, args.batch_sizes, args.dtype, args.json_path)  # prints its table
+    return 0
+
+
+def _cmd_model_create(args) -> int:
+    from epd.checkpoint import create_checkpoint
+
+    out = args.out
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.overwrite:
+        args.parser.error(f"{out} exists and is not empty; pass --overwrite to replace it")
+    path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite)
+    print(f"wrote {args.preset} checkpoint to {path}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from control.demo import run_demo
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        args.parser.error(f"{args.model!r} is not a checkpoint directory (no config.json); "
+                          "create one with `epd model create --preset tiny --out DIR`")
+    return run_demo(args.model)
+
+
+def _cmd_serve(args) -> int:
+    from control.local import LocalStack, wait_forever
+    from epd.config import ConfigError
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = flags.deploy_config(args, flags.SERVE, args.config)
+    except ConfigError as error:
+        args.parser.error(str(error))
+    busy = _port_in_use(config.serve.router.host, config.serve.router.port)
+    if busy:
+        args.parser.error(f"--port {config.serve.router.port}: {busy}")
+    _raise_on_sigterm()
+    stack = LocalStack(config)
+    try:
+        address = stack.start()
+        print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        print(f"epd ready at {address}", flush=True)
+        wait_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        started = time.monotonic()
+        print("epd stopping", file=sys.stderr, flush=True)
+        stack.stop()
+        print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        print("epd stopped", flush=True)
+    return 0
+
+
+def _port_in_use(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound now ('' when it can, or when the port is 0)."""
+    import socket
+
+    if not port:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as error:
+        return f"cannot listen on {host}:{port}: {error.strerror}"
+    return ""
+
+
+def _ray_env(address: str) -> None:
+    """Before ray is imported: a driver joining a Ray on loopback (``epd serve``'s) must stay on
+    loopback too, or it looks for its node at the machine's interface address."""
+    from pathlib import Path
+
+    if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's own rule for `ray start` and a local ray.init: with a token in ~/.ray/auth_token the
+    # cluster requires it, and a driver sends it only in token mode. RAY_AUTH_MODE set by the
+    # user wins (e.g. RAY_AUTH_MODE=disabled for a cluster started without auth).
+    if (Path.home() / ".ray" / "auth_token").is_file() or os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+_ROLE_NAMES = {"encoders": "encoder", "encode-services": "encode", "prefill": "prefill", "decode": "decode",
+               "routers": "router"}
+
+
+def _cmd_deploy(args) -> int:
+    from epd.config import ConfigError
+
+    try:
+        config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node")
+    except ConfigError as error:
+        args.parser.error(str(error))
+    _ray_env(args.address)
+    import ray
+
+    from control import controller
+
+    ray.init(address=args.address, namespace=config.namespace, logging_level=logging.WARNING,
+             configure_logging=False, log_to_driver=False)
+    try:
+        try:
+            ray.get_actor(controller.CONTROLLER_NAME, namespace=config.namespace)
+            print(f"epd deploy: namespace {config.namespace!r} already has a deployment; "
+                  "`epd down` it or pick another --namespace", file=sys.stderr)
+            return 1
+        except ValueError:
+            pass
+        handle = controller.create_controller(config, detached=True)
+        status = ray.get(handle.status.remote())
+        for address in ray.get(handle.router_addresses.remote()):
+            print(f"epd ready at {address}", flush=True)
+        print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _connect(args):
+    """The deployment's controller, or exit with one line saying why there is none."""
+    _ray_env(args.address)
+    from control import controller
+
+    try:
+        return controller.connect(args.address, args.namespace)
+    except (RuntimeError, ConnectionError) as error:
+        print(f"{args.parser.prog}: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _cmd_scale(args) -> int:
+    handle = _connect(args)  # first: it sets Ray's environment before ray is imported
+    import ray
+
+    try:
+        count = ray.get(handle.scale.remote(_ROLE_NAMES[args.role], args.count))
+    except ray.exceptions.RayTaskError as error:
+        print(f"epd scale: {error.cause if hasattr(error, 'cause') else error}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"{args.role}: {count}")
+    return 0
+
+
+def _cmd_status(args) -> int:
+    handle = _connect(args)  # first: it sets Ray's environment before ray is imported
+    import ray
+
+    from control import controller
+
+    try:
+        status = ray.get(handle.status.remote())
+        try:
+            status["placements"] = controller.placements(args.namespace, args.address)
+        except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
+            status["placements"] = []
+            print(f"epd status: no placements from Ray's state API ({type(error).__name__}: {error}); "
+                  "start the head with its dashboard to see them", file=sys.stderr)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    where = {row["name"]: row["node_ip"] for row in status["placements"]}
+    for role, replicas in status["roles"].items():
+        for replica in replicas:
+            state = " (draining)" if replica["draining"] else ""
+            print(f"{role:8} {replica['name']:12} node {where.get(replica['name'], '?'):15} {replica['address']}{state}")
+    print(f"metrics  http://{status['metrics']}/metrics")
+    return 0
+
+
+def _cmd_down(args) -> int:
+    handle = _connect(args)  # first: it sets Ray's environment before ray is imported
+    import ray
+
+    from control import controller
+
+    try:
+        controller.stop_controller(handle)
+    finally:
+        ray.shutdown()
+    print(f"epd deployment {args.namespace!r} stopped")
+    return 0
+
+
+def _raise_on_sigterm() -> None:
+    """SIGTERM and SIGINT both raise KeyboardInterrupt, so the cleanup in ``finally`` runs. SIGINT
+    is set explicitly: a process started with it ignored (a background job of a shell script, or
+    a parent that ignores it) would otherwise never stop on Ctrl-C or ``kill -INT``."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _cmd_generate(args) -> int:
+    import grpc
+
+    from epd import client
+
+    try:
+        messages = _generate_messages(args)
+    except ValueError as error:
+        args.parser.error(str(error))
+    request = client.chat_request(
+        messages, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
+    try:
+        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout)
+    except grpc.RpcError as error:
+        print(f"{error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    print()
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    return 0
+
+
+def _generate_messages(args) -> list:
+    """``--prompt`` with ``--image`` files, or the conversation in ``--messages``."""
+    from epd import client
+
+    if args.messages is None:
+        images = []
+        for path in args.image:
+            try:
+                with open(path, "rb") as f:
+                    images.append(f.read())
+            except OSError as error:
+                raise ValueError(f"cannot read image {path}: {error.strerror}") from None
+        return list(client.user_request(args.prompt, images).messages)
+    if args.image:
+        raise ValueError("--image goes with --prompt; put a conversation's images in its --messages file")
+    try:
+        with open(args.messages) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ValueError(f"cannot read {args.messages}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{args.messages} is not valid JSON: {error}") from None
+    return client.messages_from_json(data, os.path.dirname(os.path.abspath(args.messages)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Command-line flags derived from the config dataclasses (``epd.config``), so every default and
+every help text has one source: the field's own default and docstring.
+
+A ``Flag`` names the option and the config field(s) it sets (dotted paths from ``DeployConfig``);
+``add_flags`` puts them on a parser with the field's type, default and docstring as help, and
+``deploy_config`` builds the deployment config from what the user typed: the one function
+``epd serve``, ``epd deploy`` and ``epd bench --model`` all use. Fields the user did not set keep
+the dataclass default (argparse never fills them in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from epd.config import DTYPE_CHOICES, DeployConfig, field_default, field_docs, load_deploy_file
+
+
+@dataclass(frozen=True)
+class Flag:
+    option: str
+    """The option as typed: ``--max-batch-size``."""
+    paths: tuple[str, ...]
+    """The config fields it sets, dotted from DeployConfig: ``("serve.decode.max_batch_size",)``."""
+    required: bool = False
+    help: str = ""
+    """Help to use instead of the field's docstring (when one flag sets several fields)."""
+    metavar: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+
+def _flag(option: str, *paths: str, required: bool = False, help: str = "", metavar: str = "") -> Flag:  # noqa: A002
+    return Flag(option, paths, required, help, metavar)
+
+
+MODEL = _flag("--model", "serve.model_dir", required=True, metavar="DIR")
+REDIS = _flag("--redis", "serve.store.redis_url", metavar="URL")
+STACK = (  # what shapes the roles, whichever command starts them
+    _flag("--encoders", "num_encoders"),
+    _flag("--encode-services", "num_encode_services"),
+    _flag("--prefill", "num_prefill"),
+    _flag("--decode", "num_decode"),
+    _flag("--routers", "num_routers"),
+    _flag("--dtype", "serve.encode.dtype", "serve.prefill.dtype", "serve.decode.dtype",
+          help="weights and activations dtype of every model role (vision tower and language model)"),
+    _flag("--max-model-len", "serve.router.max_model_len"),
+    _flag("--max-tokens-limit", "serve.router.max_tokens_limit"),
+    _flag("--default-max-tokens", "serve.router.default_max_tokens"),
+    _flag("--request-timeout-s", "serve.router.request_timeout_s"),
+    _flag("--store-ttl-s", "serve.store.ttl_s"),
+    _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
+    _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),
+    _flag("--prefix-cache-mb", "serve.prefill.prefix_cache_mb"),
+    _flag("--prefix-block-size", "serve.prefill.prefix_block_size"),
+    _flag("--snapshot-every-blocks", "serve.prefill.snapshot_every_blocks"),
+    _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
+    _flag("--max-batch-size", "serve.decode.max_batch_size"),
+    _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
+    _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
+    _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
+    _flag("--router-metrics-port", "serve.router.metrics_port"),
+    _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
+    _flag("--drain-timeout-s", "drain_timeout_s"),
+)
+SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK)
+DEPLOY = (
+    MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
+                 help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),
+    _flag("--router-port", "serve.router.port"), _flag("--namespace", "namespace"),
+    _flag("--metrics-port", "metrics_port"), *STACK,
+)
+BENCH_STACK = (REDIS, *STACK)  # `epd bench --model DIR`: its own --model is the checkpoint
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: tuple[Flag, ...]) -> None:
+    for flag in flags:
+        cls, name = _field(flag.paths[0])
+        kind = _type(cls, name)
+        options: dict = {"dest": flag.dest, "default": argparse.SUPPRESS, "required": flag.required,
+                         "type": kind, "metavar": flag.metavar or _METAVARS[kind]}
+        if name == "dtype":
+            options["choices"] = DTYPE_CHOICES
+            del options["metavar"]
+        text = flag.help or field_docs(cls).get(name, "")
+        if not flag.required:
+            default = field_default(cls, name)
+            text += f" (default: {'none' if default is None else default})"
+        parser.add_argument(flag.option, help=text.replace("%", "%%"), **options)
+
+
+def deploy_config(args: argparse.Namespace, flags: tuple[Flag, ...], config_file: str | None = None,
+                  **fixed) -> DeployConfig:
+    """The deployment config from the flags the user set (``fixed`` holds what the command
+    decides itself, e.g. ``bind="node"``). Raises ``ConfigError`` naming the field."""
+    overrides: dict = {}
+    for flag in flags:
+        if hasattr(args, flag.dest):
+            for path in flag.paths:
+                _put(overrides, path, getattr(args, flag.dest))
+    for path, value in fixed.items():
+        _put(overrides, path.replace("__", "."), value)
+    if config_file:
+        resources, autoscale = load_deploy_file(config_file)
+        overrides["resources"], overrides["autoscale"] = resources, autoscale
+    return _build(DeployConfig, overrides)
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _put(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _build(cls: type, overrides: dict):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in overrides.items():
+        kind = hints[name]
+        if isinstance(value, dict) and dataclasses.is_dataclass(kind):
+            value = _build(kind, value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _field(path: str) -> tuple[type, str]:
+    cls = DeployConfig
+    *parents, leaf = path.split(".")
+    for part in parents:
+        cls = typing.get_type_hints(cls)[part]
+    return cls, leaf
+
+
+def _type(cls: type, name: str):
+    kind = typing.get_type_hints(cls)[name]
+    if kind in (int, float, str):
+        return kind
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # ``str | None``
+        return next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    raise TypeError(f"{cls.__name__}.{name}: no command-line type for {kind}")

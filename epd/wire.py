@@ -1,0 +1,39 @@
+"""Conversions between the library's types and the wire messages (``epd.v1``), in one place."""
+
+from __future__ import annotations
+
+from epd.sampling import SamplingConfig, TokenLogprobs
+from epd.v1 import epd_pb2
+
+
+def sampling_to_proto(config: SamplingConfig) -> epd_pb2.ResolvedSampling:
+    return epd_pb2.ResolvedSampling(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        seed=config.seed,
+        ignore_eos=config.ignore_eos,
+        logprobs=config.logprobs,
+    )
+
+
+def sampling_from_proto(message: epd_pb2.ResolvedSampling) -> SamplingConfig:
+    """Raises ValueError naming the first out-of-range value (a forged or corrupt message)."""
+    return SamplingConfig(
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_p=message.top_p,
+        top_k=message.top_k,
+        seed=message.seed,
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs,
+    )
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs | None) -> epd_pb2.TokenLogprobs | None:
+    if logprobs is None:
+        return None
+    return epd_pb2.TokenLogprobs(
+        logprob=logprobs.logprob, top=[epd_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top]
+    )

@@ -1,0 +1,82 @@
+"""The Prefill gRPC service: run the prompt through ``PrefillEngine``, hand the state to a decode
+replica (the least busy one the registry lists) and tell the router where the tokens stream from."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from epd import handoff, rpc
+from epd.config import ServeConfig
+from epd.discovery import DecodeTargets, RoleContext
+from epd.lm import TextModelRunner
+from epd.metrics import serve_metrics
+from epd.modelinfo import ModelInfo
+from epd.store import EmbeddingStore
+from epd.tensors import configure_threads
+from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.wire import logprobs_to_proto, sampling_from_proto
+from prefill_svc.engine import PrefillEngine
+
+
+class PrefillServicer(epd_pb2_grpc.PrefillServicer):
+    def __init__(self, engine: PrefillEngine, decode: DecodeTargets) -> None:
+        self.engine = engine
+        self._decode = decode  # the decode replicas; each handoff goes to the least busy one
+
+    @rpc.unary_errors
+    def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
+        sampling = sampling_from_proto(request.sampling)
+        result = self.engine.run(request, sampling)
+        reply = epd_pb2.PrefillResponse(
+            first_token=result.first_token,
+            first_logprobs=logprobs_to_proto(result.logprobs),
+            prefill_s=result.prefill_s,
+            store_read_s=result.store_read_s,
+            queue_s=result.queue_s,
+            cached_tokens=result.cached_tokens,
+        )
+        if result.finish_reason is not None:
+            reply.finished = True
+            reply.finish_reason = result.finish_reason.value
+            return reply
+        start = time.perf_counter()
+        header = epd_pb2.HandoffHeader(
+            request_id=request.request_id,
+            prompt_len=len(request.token_ids),
+            rope_delta=result.rope_delta,
+            first_token=result.first_token,
+            sampling=request.sampling,
+            deadline_unix=request.deadline_unix,
+        )
+        try:
+            decode_addr = self._decode.handoff(handoff.chunks(header, result.state), timeout=context.time_remaining())
+        except grpc.RpcError as error:
+            raise rpc.RpcFailure.from_rpc_error(error, "decode handoff") from None
+        reply.handoff_s = time.perf_counter() - start
+        reply.handoff_bytes = result.state.nbytes()
+        reply.decode_addr = decode_addr
+        return reply
+
+
+class PrefillServer(rpc.RoleServer):
+    """Hosts the Prefill service in its own process (a Ray actor the controller makes)."""
+
+    def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        config = serve.prefill
+        configure_threads(config.num_threads)
+        info = ModelInfo.load(serve.model_dir)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
+        self._decode = DecodeTargets(context)
+        servicer = PrefillServicer(self.engine, self._decode)
+        self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", context.host)
+        self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
+
+    def stop(self) -> None:
+        self._decode.close()
+        super().stop()
+        self.engine.stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()
