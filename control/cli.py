@@ -336,8 +336,11 @@ def _cmd_serve(args) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
-        print("epd stopping", file=sys.stderr, flush=True)
-        stack.stop()
+        print("epd stopping: draining the routers", file=sys.stderr, flush=True)
+        drained = stack.stop()
+        if drained.get("in_flight"):
+            print(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
+                  f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", file=sys.stderr, flush=True)
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
     return 0
@@ -456,9 +459,16 @@ def _cmd_status(args) -> int:
         return 0
     where = {row["name"]: row["node_ip"] for row in status["placements"]}
     for role, replicas in status["roles"].items():
+        counts = status["counts"][role]
+        life = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+        print(f"{role}: {len(replicas)} of {status['desired'][role]}" + (f" ({life})" if life else ""))
         for replica in replicas:
-            state = " (draining)" if replica["draining"] else ""
-            print(f"{role:8} {replica['name']:12} node {where.get(replica['name'], '?'):15} {replica['address']}{state}")
+            state = replica["state"] + (", draining" if replica["draining"] else "")
+            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}")
+    for event in status["events"][-10:]:
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""
+        print(f"{when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
     print(f"metrics  http://{status['metrics']}/metrics")
     return 0
 

@@ -1,18 +1,23 @@
-"""One deployment on a Ray cluster: the controller that places, scales and autoscales the roles.
+"""One deployment on a Ray cluster: the controller that places, watches, replaces, scales and
+autoscales the roles.
 
 ``Controller`` is a Ray actor (named ``controller`` in the deployment's namespace; detached for
-``epd deploy`` so the deployment outlives the command). It owns the deployment's ``Registry`` and
-every role actor, so killing it takes the whole deployment down. Each role actor asks Ray for the
-resources its role is given in the deploy file (``deploy/roles.toml``): custom resources or GPUs
-decide which nodes take which role; nothing in the code names a node.
+``epd deploy``; Ray restarts it if its process dies). Every role replica and the ``Registry`` are
+detached actors with restarts of their own, so serving goes on while the controller is away:
+replicas keep serving and callers keep their last view of the registry. A restarted controller
+adopts the replicas it finds (by name) and carries on.
 
-Scaling up creates actors and registers them once they serve. Scaling down drains: the registry
-marks the replica draining, every consumer acknowledges it (so none picks it again), the replica
-finishes what it holds (in-flight gRPC calls, decode requests, queued images), and only then is it
-stopped and removed. In-flight requests never fail because a replica left.
+Each role actor asks Ray for the resources its role is given in the deploy file
+(``deploy/roles.toml``): custom resources or GPUs decide which nodes take which role; nothing in
+the code names a node. Each replica registers itself in the registry once it serves.
 
-The driver side (``deploy``, ``scale``, ``status``, ``down``) connects to a running cluster by
-address; ``epd serve`` uses the same controller on a fresh local Ray (``control.local``).
+The reconcile loop (every ``probe_interval_s``) probes every replica (``control.fleet`` says
+what each probe means): a replica that stops answering is marked unhealthy in the registry (its
+callers' breakers have usually routed around it already), Ray restarts its process (it registers
+its new address), and one that Ray reports dead for good is removed and replaced, so each role
+keeps its declared count. Scaling down drains: the registry marks the replica draining, every
+consumer acknowledges it and has no call to it on the way, the replica finishes what it holds,
+and only then is it stopped. Shutting down drains the routers first (``drain_routers``).
 """
 
 from __future__ import annotations
@@ -20,15 +25,22 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
+from grpc_health.v1 import health_pb2
 
 from control.autoscale import AutoscalePolicy, Decision
+from control.fleet import Fleet, Probe
 from epd import discovery, rpc
 from epd.config import ROLES, DeployConfig
 
+log = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "controller"
 ROLE_ACTORS = {
     "encoder": "encode_svc.engine:EncoderEngine",
     "encode": "encode_svc.server:EncodeServer",
@@ -37,70 +49,95 @@ ROLE_ACTORS = {
     "router": "router_svc.server:RouterServer",
 }
 """The class each role's replicas run as: every one takes ``(ServeConfig, RoleContext)``."""
-
-log = logging.getLogger(__name__)
-
-CONTROLLER_NAME = "controller"
+REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
+MAX_RESTARTS = 3
+"""Ray restarts a replica whose process died this many times; after that the controller replaces it."""
 
 
 class Controller:
-    """Places the roles, keeps the registry, scales on request and autoscales encoders."""
+    """Places the roles, keeps them healthy and counted, scales on request, autoscales encoders."""
 
     def __init__(self, config: DeployConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = config
-        self.registry = ray.remote(discovery.Registry).options(name=discovery.REGISTRY_NAME, num_cpus=0).remote()
-        self._replicas: dict[str, dict[str, ray.actor.ActorHandle]] = {role: {} for role in ROLES}
-        self._lock = threading.Lock()
+        self.registry = ray.remote(discovery.Registry).options(
+            name=discovery.REGISTRY_NAME, lifetime="detached", get_if_exists=True, max_restarts=-1,
+            max_task_retries=-1, num_cpus=0).remote()
+        self.fleet = Fleet()
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+        self._desired = {role: config.replicas(role) for role in ROLES}
+        self._lock = threading.RLock()
         self._role_locks = {role: threading.Lock() for role in ROLES}
         self._seq = itertools.count()
         self._stop = threading.Event()
+        self._probes = ThreadPoolExecutor(8, thread_name_prefix="probe")
         self.decisions: list[dict] = []
-        self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port)
-        self._autoscaler: threading.Thread | None = None
+        self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
+        self._adopt()
+        self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
+        if config.autoscale.enabled:
+            self._threads.append(threading.Thread(target=self._autoscale_loop, name="autoscaler", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> list[str]:
-        """Start every role in dependency order; returns the routers' addresses."""
-        cfg = self.config
-        for role in ("encoder", "encode", "decode", "prefill", "router"):  # each after what it calls
-            self._add(role, cfg.replicas(role))
-        if cfg.autoscale.enabled:
-            self._autoscaler = threading.Thread(target=self._autoscale_loop, name="autoscaler", daemon=True)
-            self._autoscaler.start()
+        """Wait until every role has its replicas serving; returns the routers' addresses."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while not all(self.fleet.healthy_count(role) >= self._desired[role] for role in ROLES):
+            if time.monotonic() > deadline:
+                missing = {r: self._desired[r] - self.fleet.healthy_count(r) for r in ROLES
+                           if self.fleet.healthy_count(r) < self._desired[r]}
+                raise TimeoutError(f"replicas not serving after {self.config.start_timeout_s:.0f}s: {missing}")
+            time.sleep(0.2)
         return self.router_addresses()
+
+    def drain_routers(self, timeout_s: float) -> dict:
+        """Graceful shutdown's first step: every router stops taking requests and finishes (or,
+        after ``timeout_s``, cuts) the ones it carries."""
+        with self._lock:
+            routers = [h for n, h in self._handles.items() if n.startswith("router-")]
+        results = ray.get([h.drain.remote(timeout_s) for h in routers], timeout=timeout_s + 60)
+        totals = {key: sum(r[key] for r in results) for key in ("in_flight", "finished", "cut")}
+        log.info("routers drained: %s", totals)
+        return totals
 
     def shutdown(self) -> None:
         """Kill every role actor (routers first) and the registry."""
         self._stop.set()
-        if self._autoscaler is not None:
-            self._autoscaler.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
         for role in ("router", "prefill", "decode", "encode", "encoder"):
             with self._lock:
-                handles = list(self._replicas[role].values())
-                self._replicas[role].clear()
-            for handle in handles:
-                try:
-                    ray.kill(handle, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+                names = [n for n in self._handles if n.startswith(role + "-")]
+            for name in names:
+                self._kill(name)
         ray.kill(self.registry, no_restart=True)
+        self._probes.shutdown(wait=False)
         self.metrics.close()
 
     # ------------------------------------------------------------ queries
 
     def router_addresses(self) -> list[str]:
-        _, endpoints = ray.get(self.registry.snapshot.remote())
-        return [e.address for e in endpoints if e.role == "router" and not e.draining]
+        return [e.address for e in self._endpoints() if e.role == "router" and e.takes_work]
 
     def status(self) -> dict:
-        """Replicas per role (name, address, node, draining), autoscaling and the metrics address."""
-        _, endpoints = ray.get(self.registry.snapshot.remote())
-        roles = {role: [] for role in ROLES}
-        for e in endpoints:
-            roles[e.role].append({"name": e.name, "address": e.address, "node_id": e.node_id, "draining": e.draining})
-        return {"namespace": self.config.namespace, "roles": roles, "metrics": self.metrics.address,
+        """Replicas per role (name, address, node, health), their life events, autoscaling."""
+        roles: dict[str, list] = {role: [] for role in ROLES}
+        registered = {e.name: e for e in self._endpoints()}
+        with self._lock:
+            replicas = list(self.fleet.replicas.values())
+        for replica in replicas:
+            e = registered.get(replica.name)
+            roles[replica.role].append({
+                "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
+                "draining": bool(e and e.draining), "healthy": replica.healthy,
+                "state": "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"})
+        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
+                  for role in ROLES}
+        return {"namespace": self.config.namespace, "roles": roles, "desired": dict(self._desired),
+                "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
                 "autoscale": {"enabled": self.config.autoscale.enabled,
                               "min_replicas": self.config.autoscale.min_replicas,
                               "max_replicas": self.config.autoscale.max_replicas},
@@ -108,12 +145,12 @@ class Controller:
 
     def num_replicas(self, role: str) -> int:
         with self._lock:
-            return len(self._replicas[role])
+            return sum(r.role == role for r in self.fleet.replicas.values())
 
     # ------------------------------------------------------------ scaling
 
     def scale(self, role: str, count: int) -> int:
-        """Set ``role``'s replica count (``epd scale``); returns the count reached."""
+        """Set ``role``'s replica count (``epd scale``); returns the count once reached."""
         if role not in ROLES:
             raise ValueError(f"cannot scale {role!r}; roles are {', '.join(ROLES)}")
         if role == "encoder" and self.config.autoscale.enabled:
@@ -127,44 +164,35 @@ class Controller:
     def _scale(self, role: str, count: int) -> int:
         with self._role_locks[role]:
             with self._lock:
-                names = list(self._replicas[role])
-            if count > len(names):
-                self._add(role, count - len(names))
-            elif count < len(names):
+                self._desired[role] = count
+                names = sorted((n for n, r in self.fleet.replicas.items() if r.role == role), key=_seq_of)
+            if count < len(names):
                 self._remove(role, names[count - len(names):])  # the newest go first
+            else:
+                self._fill(role)
+                deadline = time.monotonic() + self.config.start_timeout_s
+                while self.fleet.healthy_count(role) < count and time.monotonic() < deadline:
+                    time.sleep(0.2)
             return self.num_replicas(role)
 
-    def _add(self, role: str, count: int) -> None:
-        names = [f"{role}-{next(self._seq)}" for _ in range(count)]
-        handles = [self._create(role, name) for name in names]
-        timeout = self.config.start_timeout_s
-        try:
-            if role == "encoder":
-                ray.get([h.ready.remote() for h in handles], timeout=timeout)
-                endpoints = [discovery.Endpoint(name=n, role=role, handle=h) for n, h in zip(names, handles)]
-            else:
-                addresses = ray.get([h.address.remote() for h in handles], timeout=timeout)
-                nodes = ray.get([h.node_id.remote() for h in handles], timeout=timeout)
-                endpoints = [discovery.Endpoint(name=n, role=role, address=a, node_id=node)
-                             for n, a, node in zip(names, addresses, nodes)]
-        except BaseException:
-            for handle in handles:
-                ray.kill(handle, no_restart=True)
-            raise
-        for name, handle, endpoint in zip(names, handles, endpoints):
-            with self._lock:
-                self._replicas[role][name] = handle
-            ray.get(self.registry.register.remote(endpoint))
-            log.info("%s %s joined %s", role, name, endpoint.address or "")
-        self.metrics.replicas(role, self.num_replicas(role))
+    def _fill(self, role: str, replaces: str = "", dead_at: float = 0.0) -> None:
+        """Start replicas until ``role`` has its desired count (they register when they serve)."""
+        with self._lock:
+            missing = self._desired[role] - sum(r.role == role for r in self.fleet.replicas.values())
+            for _ in range(missing):
+                name = f"{role}-{next(self._seq)}"
+                self._handles[name] = self._create(role, name)
+                self.fleet.add(name, role, time.monotonic(), replaces=replaces, replaces_dead_at=dead_at)
+                log.info("%s %s starting%s", role, name, f" (replaces {replaces})" if replaces else "")
 
     def _create(self, role: str, name: str) -> ray.actor.ActorHandle:
         module, _, cls_name = ROLE_ACTORS[role].partition(":")
         cls = getattr(importlib.import_module(module), cls_name)
         cfg = self.config
-        options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name}
-        if role == "encoder":  # Ray restarts a dead replica; its Encoder services retry its images
-            options.update(max_restarts=3, max_task_retries=1)
+        # Detached: a replica outlives the controller (serving goes on while it is away). Ray
+        # restarts a dead process; callers retry elsewhere, so Ray must not retry tasks on it.
+        options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name,
+                   "lifetime": "detached", "max_restarts": MAX_RESTARTS, "max_task_retries": 0}
         context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
                                         poll_s=cfg.poll_s)
         return ray.remote(cls).options(**options).remote(cfg.serve, context)
@@ -178,42 +206,131 @@ class Controller:
         return rpc.NODE_ADDRESS if self.config.bind == "node" else "127.0.0.1"
 
     def _remove(self, role: str, names: list[str]) -> None:
-        """Drain ``names``: no new work, finish what they hold, then stop."""
-        with self._lock:
-            handles = {name: self._replicas[role][name] for name in names}
+        """Drain ``names``: no new work, every consumer has stopped picking them and has no call
+        to them on the way, they finish what they hold, then they stop."""
+        timeout = self.config.scale_drain_timeout_s
+        deadline = time.monotonic() + timeout
         version = max(ray.get([self.registry.drain.remote(name) for name in names]))
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        # Every watcher of this role (the Encoder services for encoders, routers for prefill,
-        # prefill for decode) must have applied the drain before "idle" means "done".
-        if not discovery.wait_until(lambda: ray.get(self.registry.acked.remote(role, version)),
-                                    self.config.drain_timeout_s):
-            log.warning("not every watcher of %s acknowledged the drain of %s; removing anyway", role, names)
         for name in names:
-            idle = discovery.wait_until(lambda: self._held(role, name, handles[name]) == 0,
-                                        max(0.0, deadline - time.monotonic()))
-            if not idle:
-                log.warning("%s %s still held work after %.0fs; removing it anyway", role, name,
-                            self.config.drain_timeout_s)
+            # The watchers of this role (the Encoder services for encoders, routers for encode and
+            # prefill, routers and prefill for decode) must have applied the drain and finished
+            # the calls they had picked it for, before "idle" means "done".
+            if not discovery.wait_until(lambda: ray.get(self.registry.acked.remote(role, version, name)),
+                                        max(0.0, deadline - time.monotonic())):
+                log.warning("%s %s: not every consumer acknowledged the drain in %.0fs; removing anyway",
+                            role, name, timeout)
+            if not discovery.wait_until(lambda: self._held(role, name) == 0, max(0.0, deadline - time.monotonic())):
+                log.warning("%s %s still held work after %.0fs; removing it anyway", role, name, timeout)
             if role != "encoder":
                 try:
-                    ray.get(handles[name].stop.remote(), timeout=30)
+                    ray.get(self._handles[name].stop.remote(), timeout=30)
                 except Exception as error:  # noqa: BLE001 - it is going away either way
                     log.warning("%s %s did not stop cleanly: %s", role, name, error)
-            ray.kill(handles[name], no_restart=True)
-            with self._lock:
-                del self._replicas[role][name]
-            ray.get(self.registry.remove.remote(name))
+            self._kill(name, reason="scaled down")
             log.info("%s %s drained and left", role, name)
-        self.metrics.replicas(role, self.num_replicas(role))
 
-    def _held(self, role: str, name: str, handle) -> int:
+    def _held(self, role: str, name: str) -> int:
         """Work the replica still holds: images queued for it at the Encoder services, or calls
         (and, for decode, requests) its server is still running."""
         if role == "encoder":
             with self._lock:
-                services = list(self._replicas["encode"].values())
+                services = [h for n, h in self._handles.items() if n.startswith("encode-")]
             return sum(ray.get([s.outstanding.remote(name) for s in services], timeout=30))
-        return ray.get(handle.in_flight.remote(), timeout=30)
+        return ray.get(self._handles[name].in_flight.remote(), timeout=30)
+
+    def _kill(self, name: str, reason: str = "") -> None:
+        with self._lock:
+            handle = self._handles.pop(name, None)
+            self.fleet.remove(name, time.monotonic(), reason)
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            ray.get(self.registry.remove.remote(name), timeout=30)
+        except Exception as error:  # noqa: BLE001 - the registry forgets it when it restarts anyway
+            log.warning("registry did not take the removal of %s: %s", name, error)
+
+    # ------------------------------------------------------------ reconciliation
+
+    def _adopt(self) -> None:
+        """After a restart of the controller: take over the replicas that are still there, and
+        their count as the desired one (a fresh deployment finds none and starts from the config)."""
+        found: dict[str, list[str]] = {role: [] for role in ROLES}
+        for name in ray.util.list_named_actors():
+            match = REPLICA_NAME.match(name)
+            if match:
+                found[match.group(1)].append(name)
+        seq = 0
+        for role, names in found.items():
+            for name in names:
+                try:
+                    self._handles[name] = ray.get_actor(name)
+                except ValueError:
+                    continue
+                self.fleet.add(name, role, time.monotonic())
+                seq = max(seq, _seq_of(name) + 1)
+            if names:
+                self._desired[role] = len(names)
+        self._seq = itertools.count(seq)
+        if any(found.values()):
+            log.info("adopted %s", {role: len(names) for role, names in found.items()})
+
+    def _reconcile_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._reconcile()
+            except Exception:  # noqa: BLE001 - one failed round must not stop the watching
+                log.exception("reconcile round failed")
+            self._stop.wait(self.config.probe_interval_s)
+
+    def _reconcile(self) -> None:
+        endpoints = {e.name: e for e in self._endpoints()}
+        with self._lock:
+            names = list(self._handles.items())
+        probes = list(self._probes.map(lambda item: self._probe(item[0], item[1], endpoints.get(item[0])), names))
+        for (name, _), probe in zip(names, probes):
+            endpoint = endpoints.get(name)
+            with self._lock:
+                events = self.fleet.observe(name, probe, endpoint.incarnation if endpoint else "", time.monotonic())
+            for event in events:
+                level = logging.INFO if event.kind in ("joined", "recovered") else logging.WARNING
+                log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
+                        f" after {event.seconds:.1f}s" if event.seconds else "")
+            if endpoint is not None and endpoint.healthy != (probe is Probe.SERVING) and probe is not Probe.DEAD:
+                self.registry.mark.remote(name, probe is Probe.SERVING)
+            if probe is Probe.DEAD:
+                role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
+                self._kill(name)
+                with self._role_locks[role]:
+                    self._fill(role, replaces=name, dead_at=dead_at)
+        for role in ROLES:
+            if self._role_locks[role].acquire(blocking=False):  # not while a scale of it is running
+                try:
+                    self._fill(role)
+                finally:
+                    self._role_locks[role].release()
+        self.metrics.refresh()
+
+    def _probe(self, name: str, handle, endpoint: discovery.Endpoint | None) -> Probe:
+        """The serving path where there is one (gRPC health), else a call through Ray; when that
+        fails, Ray tells whether the actor is gone for good."""
+        if endpoint is not None and endpoint.address:
+            status = rpc.health_status(endpoint.address, timeout_s=self.config.probe_timeout_s)
+            if status is not None:
+                return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
+        try:
+            ray.get(handle.ping.remote(), timeout=self.config.probe_timeout_s)
+        except ray.exceptions.ActorDiedError:
+            return Probe.DEAD
+        except Exception:  # noqa: BLE001 - restarting, still loading, or wedged
+            return Probe.UNREACHABLE
+        return Probe.SERVING if endpoint is not None and not endpoint.address else Probe.UNREACHABLE
+
+    def _endpoints(self) -> list[discovery.Endpoint]:
+        _, _, endpoints = ray.get(self.registry.snapshot.remote(), timeout=30)
+        return endpoints
 
     # ------------------------------------------------------------ autoscaling
 
@@ -223,7 +340,7 @@ class Controller:
         while not self._stop.wait(cfg.interval_s):
             try:
                 with self._lock:
-                    services = list(self._replicas["encode"].values())
+                    services = [h for n, h in self._handles.items() if n.startswith("encode-")]
                 queued = sum(q for q, _ in ray.get([s.load.remote() for s in services], timeout=30))
                 current = self.num_replicas("encoder")
                 decision = policy.decide(current, queued, time.monotonic())
@@ -246,14 +363,25 @@ class Controller:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
 
 
-class _Metrics:
-    """The controller's Prometheus endpoint: replicas per role and every autoscaling decision."""
+def _seq_of(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
 
-    def __init__(self, host: str, port: int) -> None:
+
+class _Metrics:
+    """The controller's Prometheus endpoint: replicas per role and their health, their deaths,
+    restarts and replacements, and every autoscaling decision."""
+
+    def __init__(self, host: str, port: int, controller: Controller) -> None:
         import prometheus_client as prom
 
+        self.controller = controller
         self.registry = prom.CollectorRegistry()
         self._replicas = prom.Gauge("epd_replicas", "Replicas of each role", ["role"], registry=self.registry)
+        self._healthy = prom.Gauge("epd_replicas_healthy", "Replicas of each role serving now", ["role"],
+                                   registry=self.registry)
+        self._events = prom.Gauge("epd_replica_events", "Replica life events since the controller started, by "
+                                  "kind (died, restarted, replaced, unhealthy, recovered)", ["role", "kind"],
+                                  registry=self.registry)
         self._desired = prom.Gauge("epd_encoder_replicas_desired", "Encoder replicas the load asks for",
                                    registry=self.registry)
         self._queued = prom.Gauge("epd_encoder_images_in_flight", "Images queued or running at the encoders",
@@ -263,8 +391,13 @@ class _Metrics:
         self._server, _ = prom.start_http_server(port, addr=host, registry=self.registry)
         self.address = f"{host}:{self._server.server_port}"
 
-    def replicas(self, role: str, count: int) -> None:
-        self._replicas.labels(role=role).set(count)
+    def refresh(self) -> None:
+        fleet = self.controller.fleet
+        for role in ROLES:
+            self._replicas.labels(role=role).set(self.controller.num_replicas(role))
+            self._healthy.labels(role=role).set(fleet.healthy_count(role))
+            for kind in ("died", "restarted", "replaced", "unhealthy", "recovered"):
+                self._events.labels(role=role, kind=kind).set(fleet.count(role, kind))
 
     def observe(self, decision: Decision, desired: int) -> None:
         self._desired.set(desired)
@@ -282,17 +415,18 @@ class _Metrics:
 
 
 def controller_options(namespace: str, detached: bool) -> dict:
-    options = {"name": CONTROLLER_NAME, "namespace": namespace, "num_cpus": 0, "max_concurrency": 16}
+    options = {"name": CONTROLLER_NAME, "namespace": namespace, "num_cpus": 0, "max_concurrency": 16,
+               "max_restarts": -1}
     if detached:
         options["lifetime"] = "detached"
     return options
 
 
 def create_controller(config: DeployConfig, detached: bool) -> ray.actor.ActorHandle:
-    """Create the deployment's controller and start every role; returns the controller handle."""
+    """Create the deployment's controller and wait for every role; returns the controller handle."""
     controller = ray.remote(Controller).options(**controller_options(config.namespace, detached)).remote(config)
     try:
-        ray.get(controller.start.remote(), timeout=config.start_timeout_s)
+        ray.get(controller.start.remote(), timeout=config.start_timeout_s + 60)
     except BaseException:
         stop_controller(controller)
         raise

@@ -68,6 +68,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
+    _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )
 SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK)
 DEPLOY = (

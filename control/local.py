@@ -1,37 +1,42 @@
 """Start every role on a fresh local Ray instance: ``epd serve``.
 
-The store first (an embedded redis-server unless a URL is given), then a local Ray, then the same
-``Controller`` that ``epd deploy`` puts on a cluster (``control.controller``), bound to loopback. Every
-role is a Ray actor, so each runs in its own worker process with only its own weights; Ray
-restarts a dead encoder replica. ``stop`` stops the controller (and with it every role), shuts Ray
-down and stops the embedded Redis, leaving no process behind.
+A local Ray first, then the embedded Redis in a Ray actor (``RedisKeeper``: Ray restarts it, it
+restarts redis-server) unless a URL is given, then the same ``Controller`` that ``epd deploy``
+puts on a cluster (``control.controller``), bound to loopback. Every role is a Ray actor, so each
+runs in its own worker process with only its own weights. ``stop`` drains the routers (requests
+in flight finish within ``drain_timeout_s``), stops the controller and with it every role, shuts
+Ray down, and leaves no process behind.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import replace
 
-from control.redis_server import EmbeddedRedis
 from epd import rpc
 from epd.config import DeployConfig
 from epd.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
 
+REDIS_KEEPER_NAME = "redis"
+
 
 class LocalStack:
     def __init__(self, config: DeployConfig) -> None:
         self.deploy = config
         self.config = config.serve
-        self.redis: EmbeddedRedis | None = None
+        self.redis_keeper = None
         self.redis_url = self.config.store.redis_url or ""
         self.controller = None
         self.addresses: dict[str, str] = {}
         self.ray_address = ""
         self._ray_started = False
+        self._redis_dir = ""
 
     def start(self) -> str:
         """Bring everything up; returns the router's address once every role is SERVING."""
@@ -48,8 +53,8 @@ class LocalStack:
         from control.controller import create_controller
 
         try:
-            self._start_store()
             self._start_ray()
+            self._start_store()
             store = replace(self.config.store, redis_url=self.redis_url)
             deploy = replace(self.deploy, serve=replace(self.config, store=store))
             self.controller = create_controller(deploy, detached=False)
@@ -66,10 +71,23 @@ class LocalStack:
 
         return ray.get(self.controller.router_addresses.remote())
 
+    def redis_pid(self) -> int:
+        """The embedded redis-server's process id (0 with an external Redis)."""
+        import ray
+
+        return ray.get(self.redis_keeper.pid.remote()) if self.redis_keeper is not None else 0
+
     def _start_store(self) -> None:
         if not self.redis_url:
-            self.redis = EmbeddedRedis(self.config.store.max_memory_mb)
-            self.redis_url = self.redis.url
+            import ray
+
+            from control.redis_server import RedisKeeper
+
+            self._redis_dir = tempfile.mkdtemp(prefix="epd-redis-")
+            self.redis_keeper = ray.remote(RedisKeeper).options(
+                name=REDIS_KEEPER_NAME, max_restarts=-1, max_task_retries=-1, num_cpus=0,
+            ).remote(self._redis_dir, self.config.store.max_memory_mb)
+            self.redis_url = ray.get(self.redis_keeper.url.remote(), timeout=60)
         store = EmbeddingStore(self.redis_url)
         try:
             store.ping()
@@ -86,20 +104,36 @@ class LocalStack:
         self._ray_started = True
         self.ray_address = ray.get_runtime_context().gcs_address
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
+        """Drain, then stop everything; returns what the drain did (requests finished and cut)."""
+        drained: dict = {}
         if self._ray_started:
             import ray
 
             from control.controller import stop_controller
 
             if self.controller is not None:
+                started = time.monotonic()
+                try:
+                    drained = ray.get(self.controller.drain_routers.remote(self.deploy.drain_timeout_s),
+                                      timeout=self.deploy.drain_timeout_s + 90)
+                except Exception as error:  # noqa: BLE001 - stop regardless
+                    log.warning("drain failed: %s", error)
+                drained["drain_s"] = round(time.monotonic() - started, 2)
                 stop_controller(self.controller)
                 self.controller = None
+            if self.redis_keeper is not None:
+                try:
+                    ray.get(self.redis_keeper.stop.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - Ray's shutdown takes it with it
+                    pass
+                self.redis_keeper = None
             ray.shutdown()
             self._ray_started = False
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        if self._redis_dir:
+            shutil.rmtree(self._redis_dir, ignore_errors=True)
+            self._redis_dir = ""
+        return drained
 
 
 def wait_forever() -> None:

@@ -23,7 +23,6 @@ import torch
 
 from decode_svc.batch import DecodeBatch
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, TokenEvent
-from epd import positions
 from epd.config import DecodeConfig
 from epd.lm import HybridState, TextModelRunner
 from epd.request import FinishReason
@@ -139,7 +138,7 @@ class DecodeEngine:
 
     def _forward(self, members: list[DecodeRequest]) -> torch.Tensor:
         tokens = [r.last_token for r in members]
-        positions_ = [positions.decode_position(r.prompt_len, r.num_generated - 1, r.rope_delta) for r in members]
+        positions_ = [r.position for r in members]
         logits = self.runner.decode_step(self._batch, tokens, positions_)
         self.steps += 1
         self.batch_sizes_total += len(members)

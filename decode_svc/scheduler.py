@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from epd.positions import decode_position
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs
 
@@ -37,14 +38,14 @@ class DecodeRequest:
     where its tokens go (``sink``, set when a stream claims it; events wait in ``pending`` until then)."""
 
     request_id: str
-    prompt_len: int
+    prompt_len: int  # tokens in the handed-off state (the prompt, plus the answer so far when resumed)
     rope_delta: int
     sampling: SamplingConfig
     state: object | None  # the HybridState until the batch holds it
     last_token: int
     lease_deadline: float  # monotonic time by which a stream must claim it
     deadline: float  # monotonic time after which it is abandoned
-    num_generated: int = 1  # tokens produced so far (the first came from prefill)
+    num_generated: int = 1  # answer tokens so far (the first came from prefill; more when resumed)
     status: RequestStatus = RequestStatus.HANDED_OFF
     claimed: bool = False
     lease_expired: bool = False
@@ -52,6 +53,13 @@ class DecodeRequest:
     sink: Callable[[TokenEvent], None] | None = None
     pending: list[TokenEvent] = field(default_factory=list)
     arrival: int = 0
+    steps: int = 0  # decode steps run here: the state holds prompt_len + steps tokens
+
+    @property
+    def position(self) -> int:
+        """M-RoPE position (all three components) of the token the next step feeds: the state's
+        length plus ``rope_delta`` (``epd.positions.decode_position``)."""
+        return decode_position(self.prompt_len, self.steps, self.rope_delta)
 
     def publish(self, event: TokenEvent) -> None:
         if self.sink is None:
@@ -147,6 +155,7 @@ class DecodeScheduler:
     def after_token(self, request: DecodeRequest, token: int, eos_token_ids: frozenset[int]) -> FinishReason | None:
         request.last_token = token
         request.num_generated += 1
+        request.steps += 1
         if token in eos_token_ids and not request.sampling.ignore_eos:
             return FinishReason.EOS
         if request.num_generated >= request.sampling.max_tokens:

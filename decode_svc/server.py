@@ -1,14 +1,19 @@
-"""The Decode gRPC service: receives handoffs, streams tokens to whoever claims them."""
+"""The Decode gRPC service: receives handoffs, streams tokens to whoever claims them.
+
+Each stream is a coroutine on the server's event loop fed by the engine's loop thread through an
+``asyncio.Queue``, so the number of streams is bounded by ``decode.max_batch_size`` and memory,
+never by a thread pool. A stream whose client goes away cancels its request at once.
+"""
 
 from __future__ import annotations
 
-import queue
+import asyncio
 
 from decode_svc.engine import DecodeEngine
 from decode_svc.scheduler import TokenEvent
 from epd import errors, handoff, rpc
 from epd.config import ServeConfig
-from epd.discovery import RoleContext
+from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
@@ -24,8 +29,9 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
         self.engine = engine
 
     @rpc.unary_errors
-    def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
-        received = handoff.receive(request_iterator, self.engine.runner.num_layers, self.engine.runner.device)
+    async def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
+        parts = [part async for part in request_iterator]
+        received = handoff.receive(parts, self.engine.runner.num_layers, self.engine.runner.device)
         header = received.header
         self.engine.submit(
             request_id=header.request_id,
@@ -35,25 +41,33 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
             sampling=sampling_from_proto(header.sampling),
             state=received.state,
             deadline_unix=header.deadline_unix,
+            num_generated=max(1, header.num_generated),
         )
         return epd_pb2.HandoffAck(request_id=header.request_id)
 
     @rpc.stream_errors
-    def Stream(self, request: epd_pb2.StreamRequest, context):
-        events: queue.Queue[TokenEvent] = queue.Queue()
-        if self.engine.claim(request.request_id, events.put) is None:
+    async def Stream(self, request: epd_pb2.StreamRequest, context):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(event: TokenEvent) -> None:  # called on the engine's thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        if self.engine.claim(request.request_id, sink) is None:
             raise errors.NotFound(f"no handed-off request {request.request_id!r} to stream")
-        context.add_callback(lambda: self.engine.cancel(request.request_id))
-        while True:
-            batch = [events.get()]
-            while batch[-1].finish_reason is None:  # group whatever is already waiting
-                try:
-                    batch.append(events.get(timeout=_MAX_BATCH_WAIT_S if len(batch) < 2 else 0))
-                except queue.Empty:
-                    break
-            yield _token_batch(batch)
-            if batch[-1].finish_reason is not None:
-                return
+        finished = False
+        try:
+            while not finished:
+                batch = [await events.get()]
+                if batch[-1].finish_reason is None:  # group what follows within a moment
+                    await asyncio.sleep(_MAX_BATCH_WAIT_S)
+                    while not events.empty() and batch[-1].finish_reason is None:
+                        batch.append(events.get_nowait())
+                finished = batch[-1].finish_reason is not None
+                yield _token_batch(batch)
+        finally:
+            if not finished:  # the client left (or the server is stopping): free the slot now
+                self.engine.cancel(request.request_id)
 
 
 def _token_batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
@@ -75,14 +89,16 @@ class DecodeServer(rpc.RoleServer):
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
-        self._serve(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode",
+        self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host)
+        self.membership = Membership(context, address=self.address())
 
     def in_flight(self) -> int:
         """Calls running plus requests handed off and not yet finished: a drained decode holds
         no request a router could still come to stream."""
         return super().in_flight() + self.engine.num_held()
 
-    def stop(self) -> None:
-        super().stop()
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.membership.close()
+        super().stop(grace_s)
         self.engine.stop()

@@ -28,9 +28,9 @@ import torch
 
 from epd import checkpoint, imaging
 from epd.config import ServeConfig
-from epd.discovery import RoleContext
+from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
-from epd.store import Embedding, EmbeddingStore
+from epd.store import Embedding, EmbeddingStore, StoreUnavailable, encode_value
 from epd.tensors import configure_threads, default_device, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class EncodeResult:
     encode_s: float = 0.0
     store_write_s: float = 0.0
     error: str = ""
+    embedding: bytes = b""  # the value itself (store format), when asked or when the store was unreachable
 
 
 @dataclass
@@ -79,12 +80,22 @@ class EncoderEngine:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._batch_loop, name="encode-batcher", daemon=True)
         self._thread.start()
+        self._membership = None
+        if context.registry is not None:  # a replica of a deployment: callers find it in the registry
+            import ray
+
+            self._membership = Membership(context, handle=ray.get_runtime_context().current_actor)
 
     def ready(self) -> bool:
-        return self.store.ping()
+        return True
 
-    def encode(self, store_key: str, data: bytes, max_pixels: int) -> EncodeResult:
-        """Encode one image and publish it; bad input comes back as ``error``, never raised."""
+    def ping(self) -> bool:
+        return True
+
+    def encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool = False) -> EncodeResult:
+        """Encode one image and publish it to the store; the embedding also comes back in the
+        result when ``inline`` or when the store cannot be reached. Bad input comes back as
+        ``error``, never raised."""
         start = time.perf_counter()
         try:
             settings = self.settings.with_max_pixels(max_pixels or None)
@@ -94,8 +105,12 @@ class EncoderEngine:
         job = _Job(pixel_values, grid_thw, Future())
         self._queue.put(job)
         embeds = job.done.result()  # the batch's exception, if it failed, is raised here
+        embedding = Embedding(tensor=embeds, grid_thw=grid_thw)
         written = time.perf_counter()
-        self.store.put(store_key, Embedding(tensor=embeds, grid_thw=grid_thw))
+        try:
+            self.store.put(store_key, embedding)
+        except StoreUnavailable:
+            inline = True  # the caller carries it to prefill instead
         end = time.perf_counter()
         return EncodeResult(
             store_key=store_key,
@@ -103,9 +118,12 @@ class EncoderEngine:
             grid_thw=grid_thw,
             encode_s=end - start,
             store_write_s=end - written,
+            embedding=encode_value(store_key, embedding) if inline else b"",
         )
 
     def stop(self) -> None:
+        if self._membership is not None:
+            self._membership.close()
         self._queue.put(STOP)
         self._thread.join(timeout=10)
 

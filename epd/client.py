@@ -34,6 +34,7 @@ class GenerateResult:
             "seed": s.seed,
             "cached_tokens": s.cached_tokens,
             "images_cached": s.images_cached,
+            "resumes": s.resumes,
             "timings": {field.name: getattr(s.timings, field.name) for field in s.timings.DESCRIPTOR.fields},
         }
 

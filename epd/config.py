@@ -272,8 +272,15 @@ class DeployConfig:
     """Port of the controller's Prometheus endpoint; 0 picks a free one."""
     poll_s: float = 0.25
     """How often a role re-reads the registry for replicas that joined or left."""
-    drain_timeout_s: float = 600.0
-    """A replica being removed (epd scale) gets this long to finish what it holds before it is stopped."""
+    drain_timeout_s: float = 30.0
+    """On shutdown (SIGTERM/SIGINT to epd serve, epd down) the routers stop taking requests and
+    those in flight get this many seconds to finish; streams still running then end with UNAVAILABLE."""
+    scale_drain_timeout_s: float = 600.0
+    """A replica being removed (epd scale, autoscaling) gets this long to finish what it holds before it is stopped."""
+    probe_interval_s: float = 1.0
+    """Seconds between two health probes of every replica by the controller."""
+    probe_timeout_s: float = 2.0
+    """A probe without an answer within this many seconds marks the replica unhealthy."""
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
 
@@ -287,7 +294,10 @@ class DeployConfig:
         _check(not unknown, "resources", f"unknown roles {sorted(unknown)}; roles are {ROLES}")
         _check_range(self.metrics_port, 0, 65535, "metrics_port")
         _check_range(self.poll_s, 0.01, 60, "poll_s")
-        _check_range(self.drain_timeout_s, 1, 86400, "drain_timeout_s")
+        _check_range(self.drain_timeout_s, 0, 86400, "drain_timeout_s")
+        _check_range(self.scale_drain_timeout_s, 1, 86400, "scale_drain_timeout_s")
+        _check_range(self.probe_interval_s, 0.1, 60, "probe_interval_s")
+        _check_range(self.probe_timeout_s, 0.1, 60, "probe_timeout_s")
         _check_range(self.start_timeout_s, 1, 86400, "start_timeout_s")
         if self.bind == "node":
             _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,

@@ -1,16 +1,23 @@
-"""Discovery: which replicas of each role exist, where they listen, and which take new work.
+"""Discovery: which replicas of each role exist, where they listen, which are healthy, and which
+take new work; and how a caller picks one and routes around a dead one.
 
-A deployment has one ``Registry`` (a named Ray actor in the deployment's namespace). A replica is
-registered once it is serving; one being removed is marked *draining* first, so its consumers stop
-sending it work while it finishes what it holds, and is dropped from the registry when it exits.
-Consumers (the Encoder service for encoder replicas, the router for the Encoder service and
-prefill, prefill for decode) watch the registry with a ``RegistryWatch``: a thread that re-reads
-it every ``poll_s`` and acknowledges the version it has seen, so whoever drains a replica knows
-when no consumer will pick it again. Nothing is restarted when a replica joins or leaves.
+A deployment has one ``Registry`` (a named, detached Ray actor that Ray restarts). Each replica
+registers itself once it serves and repeats it every ``HEARTBEAT_S`` (``Membership``): a replica
+Ray restarted registers its new address, and a registry Ray restarted (empty) is filled again
+within a heartbeat. The controller marks replicas unhealthy when its probes fail, and draining
+when it removes them; a removed name is never re-added by a late heartbeat.
 
-``Balancer`` is the bookkeeping a consumer uses to pick an endpoint: the live one with the fewest
-calls in flight. The ``*Targets`` classes are the gRPC faces of it that the router and prefill
-take at construction.
+Consumers (the Encoder service for encoder replicas, the router for Encoder services, prefill and
+decode, prefill for decode) watch the registry with a ``RegistryWatch``: a thread that re-reads
+it every ``poll_s``, keeps its last view while the registry is away, and acknowledges the version
+it applied together with the calls it still has in flight to each replica, so a drain knows when
+no consumer will pick a draining replica again and none has a call to it on the way.
+
+``Balancer`` is a caller's bookkeeping: the healthy, non-draining replicas, the calls in flight to
+each, and a circuit breaker per replica (a failed call keeps it out of rotation for a back-off
+that doubles while it keeps failing; then one trial call decides). ``Targets`` is its asyncio face:
+a call goes to the least busy allowed replica, and a call whose replica failed (not a client error,
+not a failure that replica reported from behind it) is tried once on each other replica.
 """
 
 from __future__ import annotations
@@ -19,17 +26,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import grpc
 
-from epd import rpc
+from epd import errors, rpc
+from epd.breaker import Breaker
 from epd.v1 import epd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "registry"
+HEARTBEAT_S = 1.0
+WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
 
 
 @dataclass(frozen=True)
@@ -41,9 +52,13 @@ class RoleContext:
     host: str = "127.0.0.1"
     """Address its servers bind: an IP, or ``NODE_ADDRESS`` for the Ray node's own IP."""
     registry: object = None
-    """The deployment's ``Registry`` actor handle (``epd.discovery``)."""
+    """The deployment's ``Registry`` actor handle."""
     poll_s: float = 0.25
     """How often its watchers re-read the registry."""
+
+    @property
+    def role(self) -> str:
+        return self.name.rsplit("-", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -59,26 +74,56 @@ class Endpoint:
     """The Ray node it runs on."""
     handle: object = None
     """The Ray actor handle (encoder replicas are called through it)."""
+    incarnation: str = ""
+    """Differs each time the replica's process starts (a Ray restart gives a new one)."""
     draining: bool = False
     """Being removed: it finishes what it holds but takes no new work."""
+    healthy: bool = True
+    """False while the controller's probes fail."""
+
+    @property
+    def takes_work(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass
+class _Watcher:
+    role: str
+    version: int = -1
+    outstanding: dict[str, int] = field(default_factory=dict)
+    seen_at: float = field(default_factory=time.monotonic)
 
 
 class Registry:
     """The deployment's directory of endpoints (wrapped in ``ray.remote`` by the controller).
 
-    ``version`` grows with every change; watchers acknowledge the version they have applied, so
-    ``acked(role, version)`` tells a drain when every consumer of ``role`` has stopped picking the
-    draining replica.
-    """
+    ``epoch`` changes when the registry starts (a Ray restart); ``version`` grows with every
+    change. Watchers acknowledge the (epoch, version) they applied."""
 
     def __init__(self) -> None:
+        self.epoch = uuid.uuid4().hex
         self._endpoints: dict[str, Endpoint] = {}
+        self._removed: set[str] = set()
         self._version = 0
-        self._acks: dict[str, tuple[str, int]] = {}  # watcher id -> (role watched, version seen)
+        self._watchers: dict[str, _Watcher] = {}
 
     def register(self, endpoint: Endpoint) -> int:
-        self._endpoints[endpoint.name] = endpoint
+        """A replica that serves (again): new ones join healthy; a draining one stays draining."""
+        if endpoint.name in self._removed:
+            return self._version
+        known = self._endpoints.get(endpoint.name)
+        if known is not None and known.incarnation == endpoint.incarnation and known.address == endpoint.address:
+            return self._version  # a heartbeat: nothing changed
+        draining = known.draining if known is not None else False
+        self._endpoints[endpoint.name] = replace(endpoint, draining=draining, healthy=True)
         return self._bump()
+
+    def mark(self, name: str, healthy: bool) -> int:
+        endpoint = self._endpoints.get(name)
+        if endpoint is not None and endpoint.healthy != healthy:
+            self._endpoints[name] = replace(endpoint, healthy=healthy)
+            return self._bump()
+        return self._version
 
     def drain(self, name: str) -> int:
         endpoint = self._endpoints.get(name)
@@ -88,66 +133,111 @@ class Registry:
 
     def remove(self, name: str) -> int:
         self._endpoints.pop(name, None)
+        self._removed.add(name)
         # A removed replica's own watchers will never acknowledge again.
-        for watcher in [w for w in self._acks if w.startswith(name + "/")]:
-            del self._acks[watcher]
+        for watcher in [w for w in self._watchers if w.startswith(name + "/")]:
+            del self._watchers[watcher]
         return self._bump()
 
-    def snapshot(self, watcher: str = "", role: str = "") -> tuple[int, list[Endpoint]]:
-        """Every endpoint and the version; a watcher is known from its first read on, so a drain
-        waits for it even before it has acknowledged anything."""
-        if watcher:
-            self._acks.setdefault(watcher, (role, -1))
-        return self._version, list(self._endpoints.values())
+    def snapshot(self, watcher: str = "", role: str = "") -> tuple[str, int, list[Endpoint]]:
+        """Every endpoint, with the epoch and version; a watcher is known from its first read on,
+        so a drain waits for it even before it has acknowledged anything."""
+        if watcher and watcher not in self._watchers:
+            self._watchers[watcher] = _Watcher(role)
+        return self.epoch, self._version, list(self._endpoints.values())
 
-    def ack(self, watcher: str, role: str, version: int) -> None:
-        self._acks[watcher] = (role, version)
+    def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
+        if epoch == self.epoch:
+            self._watchers[watcher] = _Watcher(role, version, dict(outstanding))
 
     def forget_watcher(self, watcher: str) -> None:
-        self._acks.pop(watcher, None)
+        self._watchers.pop(watcher, None)
 
-    def acked(self, role: str, version: int) -> bool:
-        """Every watcher of ``role`` has applied ``version`` (or a later one)."""
-        return all(seen >= version for watched, seen in self._acks.values() if watched == role)
+    def acked(self, role: str, version: int, name: str = "") -> bool:
+        """Every live watcher of ``role`` has applied ``version`` (or a later one) and, when
+        ``name`` is given, has no call to ``name`` in flight. A watcher silent for
+        ``WATCHER_STALE_S`` is gone (its replica died) and no longer counts."""
+        now = time.monotonic()
+        for watcher in self._watchers.values():
+            if watcher.role != role or now - watcher.seen_at > WATCHER_STALE_S:
+                continue
+            if watcher.version < version or (name and watcher.outstanding.get(name, 0) > 0):
+                return False
+        return True
 
     def _bump(self) -> int:
         self._version += 1
         return self._version
 
 
+class Membership:
+    """A replica's own entry in the registry: registered now, then again every ``HEARTBEAT_S``
+    (which refills a registry that Ray restarted)."""
+
+    def __init__(self, context: RoleContext, address: str = "", handle: object = None) -> None:
+        import ray
+
+        self.registry = context.registry
+        self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
+                                 node_id=ray.get_runtime_context().get_node_id(), handle=handle,
+                                 incarnation=uuid.uuid4().hex)
+        ray.get(self.registry.register.remote(self.endpoint), timeout=60)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="membership", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import ray
+
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                ray.get(self.registry.register.remote(self.endpoint), timeout=10)
+            except Exception as error:  # noqa: BLE001 - the registry is restarting: try again next beat
+                log.info("registry unreachable (%s); will register again", type(error).__name__)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class RegistryWatch:
     """Keeps a consumer's view of one role current: calls ``on_change(endpoints)`` with the
-    role's endpoints whenever the registry changed, then acknowledges the version."""
+    role's endpoints whenever the registry changed, then acknowledges the version together with
+    ``outstanding()`` (calls in flight per replica)."""
 
     def __init__(self, registry, role: str, watcher: str, on_change: Callable[[list[Endpoint]], None],
-                 poll_s: float = 0.25) -> None:
+                 poll_s: float = 0.25, outstanding: Callable[[], dict[str, int]] = dict) -> None:
         self.registry = registry
         self.role = role
         self.watcher = f"{watcher}/{role}"
         self.on_change = on_change
+        self.outstanding = outstanding
         self.poll_s = poll_s
-        self.version = -1
+        self.seen: tuple[str, int] = ("", -1)
         self._stop = threading.Event()
         self.sync()
         self._thread = threading.Thread(target=self._loop, name=f"watch-{role}", daemon=True)
         self._thread.start()
 
-    def sync(self) -> int:
+    def sync(self) -> None:
         import ray
 
-        version, endpoints = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
-        if version != self.version:
+        epoch, version, endpoints = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
+        if (epoch, version) != self.seen:
             self.on_change([e for e in endpoints if e.role == self.role])
-            self.version = version
-        self.registry.ack.remote(self.watcher, self.role, version)
-        return version
+            self.seen = (epoch, version)
+        self.registry.ack.remote(self.watcher, self.role, epoch, version, self.outstanding())
 
     def _loop(self) -> None:
+        failing = False
         while not self._stop.wait(self.poll_s):
             try:
                 self.sync()
+                failing = False
             except Exception as error:  # noqa: BLE001 - the registry is briefly away: keep the last view
-                log.warning("registry watch for %s failed: %s", self.role, error)
+                if not failing:
+                    log.warning("registry watch for %s failed (%s); keeping the last view", self.role,
+                                type(error).__name__)
+                failing = True
 
     def close(self) -> None:
         self._stop.set()
@@ -156,98 +246,131 @@ class RegistryWatch:
 
 
 class Balancer:
-    """Bookkeeping only: the live endpoints of a role and the calls in flight to each.
-
-    ``lease`` picks the live endpoint with the fewest calls in flight (ties go to the one used
-    least recently), so concurrent calls spread over replicas. A draining endpoint keeps its
-    in-flight count until those calls end but is never picked.
-    """
+    """Bookkeeping only: the replicas of a role that take work, the calls in flight to each, and
+    a breaker per replica. ``pick`` chooses the allowed replica with the fewest calls in flight
+    (ties go to the one used least recently). A draining or unhealthy replica keeps its in-flight
+    count until those calls end but is never picked."""
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self._live: dict[str, str] = {}  # name -> address
+        self._live: dict[str, Endpoint] = {}  # replicas that take work, by name
         self._outstanding: dict[str, int] = {}
+        self._breakers: dict[str, Breaker] = {}
         self._last_pick: dict[str, int] = {}
         self._picks = 0
         self._lock = threading.Lock()
 
     def update(self, endpoints: list[Endpoint]) -> None:
         with self._lock:
-            self._live = {e.name: e.address for e in endpoints if not e.draining}
+            live = {e.name: e for e in endpoints if e.takes_work}
+            for name, endpoint in live.items():
+                known = self._live.get(name)
+                if known is not None and known.incarnation != endpoint.incarnation:
+                    self._breakers.pop(name, None)  # a restarted replica: a clean slate
+            self._live = live
 
-    def pick(self) -> tuple[str, str]:
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> tuple[str, Endpoint]:
+        now = time.monotonic()
         with self._lock:
-            if not self._live:
-                raise rpc.RpcFailure(grpc.StatusCode.UNAVAILABLE, f"no {self.role} replica is registered")
-            name = min(self._live, key=lambda n: (self._outstanding.get(n, 0), self._last_pick.get(n, -1)))
+            allowed = [n for n in self._live if n not in exclude and self._breaker(n).allows(now)]
+            if not allowed:
+                raise errors.Unavailable(self._none_left(exclude), downstream=True)
+            name = min(allowed, key=lambda n: (self._outstanding.get(n, 0), self._last_pick.get(n, -1)))
+            self._breaker(name).begin()
             self._outstanding[name] = self._outstanding.get(name, 0) + 1
             self._picks += 1
             self._last_pick[name] = self._picks
             return name, self._live[name]
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, ok: bool | None) -> None:
+        """The call to ``name`` ended: ``ok`` True/False is the replica's own verdict (a client
+        error or a downstream failure is ``None``: neutral)."""
+        now = time.monotonic()
         with self._lock:
             self._outstanding[name] -= 1
+            breaker = self._breaker(name)
+            breaker.end(ok, now)
+            if ok is False:
+                log.warning("%s %s failed; out of rotation for %.1f s", self.role, name, breaker.retry_at - now)
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[str]:
-        name, address = self.pick()
-        try:
-            yield address
-        finally:
-            self.release(name)
+    def num_available(self) -> int:
+        """Replicas that would take a call now (health reports read this)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(self._breaker(n).allows(now) for n in self._live)
 
     def outstanding(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._outstanding)
+            return {name: count for name, count in self._outstanding.items() if count}
+
+    def _breaker(self, name: str) -> Breaker:
+        breaker = self._breakers.get(name)
+        if breaker is None:
+            breaker = self._breakers[name] = Breaker()
+        return breaker
+
+    def _none_left(self, exclude) -> str:
+        if not self._live:
+            return f"{self.role}: no healthy {self.role} replica is registered"
+        if exclude:
+            return f"{self.role}: every {self.role} replica failed this request ({len(exclude)} tried)"
+        return f"{self.role}: every {self.role} replica is failing; retrying them shortly"
 
 
-class _Targets:
-    """A role's endpoints from the registry, balanced, with one gRPC stub per address."""
+class Targets:
+    """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
+    least busy allowed replica and tries the others when the replica itself fails."""
 
-    def __init__(self, role: str, make_stub: Callable[[grpc.Channel], object], context: RoleContext) -> None:
+    def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext) -> None:
+        self.role = role
         self.balancer = Balancer(role)
         self.stubs = rpc.StubCache(make_stub)
-        self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s)
+        self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
+                                    self.balancer.outstanding)
+
+    async def call(self, method: str, request_or_factory, timeout: float | None, retry: bool = True):
+        """``await stub.<method>(request)`` on one replica after another until one answers; returns
+        (reply, address). ``request_or_factory`` may be a callable that makes the request anew for
+        each attempt (a client stream). Raises ``RpcFailure`` with the status (hop-prefixed) when
+        the call fails for another reason, or ``errors.Unavailable`` when no replica is left."""
+        tried: set[str] = set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            name, endpoint = self.balancer.pick(exclude=tried)
+            address = endpoint.address
+            ok = None
+            try:
+                request = request_or_factory() if callable(request_or_factory) else request_or_factory
+                remaining = None if deadline is None else max(0.05, deadline - time.monotonic())
+                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining)
+                ok = True
+                return reply, address
+            except grpc.aio.AioRpcError as error:
+                if not rpc.peer_failed(error):
+                    raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
+                ok = False
+                tried.add(name)
+                if not retry:
+                    raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
+                log.warning("%s %s at %s failed (%s); trying another", self.role, name, address, error.details())
+            finally:
+                self.balancer.release(name, ok)
 
     def close(self) -> None:
         self._watch.close()
 
 
-class EncoderTargets(_Targets):
-    """The Encoder service(s), as the router calls them: ``Encode`` goes to the least busy."""
-
-    def __init__(self, context: RoleContext) -> None:
-        super().__init__("encode", epd_pb2_grpc.EncoderStub, context)
-
-    def Encode(self, request, timeout=None):  # noqa: N802 - the stub's method name
-        with self.balancer.lease() as address:
-            return self.stubs.get(address).Encode(request, timeout=timeout)
+def encoder_targets(context: RoleContext) -> Targets:
+    """The Encoder service(s), as the router calls them."""
+    return Targets("encode", epd_pb2_grpc.EncoderStub, context)
 
 
-class PrefillTargets(_Targets):
-    """The prefill replicas, as the router calls them: ``Prefill`` goes to the least busy."""
-
-    def __init__(self, context: RoleContext) -> None:
-        super().__init__("prefill", epd_pb2_grpc.PrefillStub, context)
-
-    def Prefill(self, request, timeout=None):  # noqa: N802 - the stub's method name
-        with self.balancer.lease() as address:
-            return self.stubs.get(address).Prefill(request, timeout=timeout)
+def prefill_targets(context: RoleContext) -> Targets:
+    return Targets("prefill", epd_pb2_grpc.PrefillStub, context)
 
 
-class DecodeTargets(_Targets):
-    """The decode replicas, as prefill hands off to them: each handoff goes to the decode with
-    the fewest handoffs in flight, and ``handoff`` says which one took it (the router streams
-    the tokens from there)."""
-
-    def __init__(self, context: RoleContext) -> None:
-        super().__init__("decode", epd_pb2_grpc.DecodeStub, context)
-
-    def handoff(self, chunks, timeout=None) -> str:
-        with self.balancer.lease() as address:
-            self.stubs.get(address).Handoff(chunks, timeout=timeout)
-            return address
+def decode_targets(context: RoleContext) -> Targets:
+    return Targets("decode", epd_pb2_grpc.DecodeStub, context)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 
 class ServiceError(Exception):
-    """Base: ``status`` is the gRPC status name the failure surfaces as."""
+    """Base: ``status`` is the gRPC status name the failure surfaces as. ``downstream``: the
+    failure is of something behind the service that raises it (its callers must not blame it)."""
 
     status = "INTERNAL"
+
+    def __init__(self, message: str, downstream: bool = False) -> None:
+        super().__init__(message)
+        self.downstream = downstream
 
 
 class Unavailable(ServiceError):
@@ -38,3 +43,9 @@ class ResourceExhausted(ServiceError):
     """Refused for load: the message says when to retry."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class Cancelled(ServiceError):
+    """The caller went away; the work was dropped."""
+
+    status = "CANCELLED"

@@ -1,52 +1,72 @@
-"""gRPC plumbing every role shares: servers with standard health checking, channels, errors.
+"""gRPC plumbing every role shares: asyncio servers with standard health checking, channels, errors.
 
-Errors keep their meaning across hops: a role raises ``RpcFailure`` (or a ``ValueError`` for bad
-input, which is INVALID_ARGUMENT) and the router re-raises a downstream status with its code and
-message intact, so a bad image is INVALID_ARGUMENT at the gateway whichever service found it.
+Servers are ``grpc.aio`` servers on an event loop thread of their own (``EventLoop``) inside the
+role's process, so a stream costs a coroutine, not a thread: no thread pool bounds how many
+streams a role carries. Blocking work a handler needs (tokenizing, a Redis call) goes to the
+loop's executor for the length of that work only.
+
+Errors keep their meaning across hops: a role raises an ``epd.errors`` failure (or ``ValueError``
+for bad input, INVALID_ARGUMENT), ``status_of`` maps it to a status in one place, and a caller
+re-raises a downstream status with its code and message intact (``RpcFailure.from_rpc_error``), so
+a bad image is INVALID_ARGUMENT at the gateway whichever service found it. A status that reports
+a failure *downstream* of the server that sent it carries ``DOWNSTREAM`` in its trailing metadata:
+the caller then does not blame (or avoid) that server for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd import errors
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # an encoded image, a request with several of them
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # internal hops: a handoff chunk, an inline embedding, images
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+DOWNSTREAM = ("epd-fault", "downstream")
+"""Trailing metadata of a status that reports a failure of a hop behind the server that sent it."""
 
 
 class RpcFailure(Exception):
-    """A failure with the gRPC status it must surface as."""
+    """A failure with the gRPC status it must surface as; ``downstream`` when it happened behind
+    the server that raises it (so that server's callers do not blame it)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, downstream: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.downstream = downstream
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError, hop: str) -> RpcFailure:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = error.details() if hasattr(error, "details") else str(error)
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
+        details = (error.details() if hasattr(error, "details") else str(error)) or code.name
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL) \
+                and not details.startswith(f"{hop}: "):
             details = f"{hop}: {details}"  # infrastructure failures say where; user errors stay as they were
-        return cls(code, details)
+        return cls(code, details, downstream=True)
 
 
-def invalid(message: str) -> RpcFailure:
-    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
+def peer_failed(error: grpc.RpcError) -> bool:
+    """The server we called is itself broken or gone (not a client error, not a failure it
+    reported from behind it): a reason to try another replica and to avoid this one for a while."""
+    if error.code() is not grpc.StatusCode.UNAVAILABLE:
+        return False
+    metadata = error.trailing_metadata() or ()
+    return tuple(DOWNSTREAM) not in [tuple(item) for item in metadata]
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -60,35 +80,44 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
-def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
+async def abort(context: grpc.aio.ServicerContext, error: BaseException, method: str) -> None:
     code, message = status_of(error)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error")
-    context.abort(code, message)
+        log.exception("%s: internal error", method)  # unexpected: the traceback is worth having
+    elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        log.warning("%s: %s: %s", method, code.name, message)  # an expected fault: one line
+    if getattr(error, "downstream", False):
+        context.set_trailing_metadata((DOWNSTREAM,))
+    await context.abort(code, message)
 
 
 def unary_errors(method: Callable) -> Callable:
-    """Map exceptions raised by a unary servicer method to gRPC statuses."""
+    """Map exceptions raised by an async unary servicer method to gRPC statuses."""
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    async def wrapper(self, request, context):
         try:
-            return method(self, request, context)
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
         except Exception as error:  # noqa: BLE001 - every error must leave as a status
-            _abort(context, error)
+            await abort(context, error, method.__name__)
 
     return wrapper
 
 
 def stream_errors(method: Callable) -> Callable:
-    """Same as ``unary_errors`` for server-streaming methods (generators)."""
+    """Same as ``unary_errors`` for server-streaming methods (async generators)."""
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    async def wrapper(self, request, context):
         try:
-            yield from method(self, request, context)
+            async for item in method(self, request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
         except Exception as error:  # noqa: BLE001
-            _abort(context, error)
+            await abort(context, error, method.__name__)
 
     return wrapper
 
@@ -105,21 +134,35 @@ def resolve_host(host: str) -> str:
     return ray.util.get_node_ip_address()
 
 
-class InFlightCounter(grpc.ServerInterceptor):
+class EventLoop:
+    """An asyncio loop running in a daemon thread of its own; other threads hand it coroutines."""
+
+    def __init__(self, name: str, executor_threads: int = 16) -> None:
+        self.loop = asyncio.new_event_loop()
+        # Short blocking work only (a tokenization, a Redis round trip): never a whole stream.
+        self.loop.set_default_executor(ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-io"))
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float | None = 60.0):
+        """Run ``coro`` on the loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+class InFlightCounter(grpc.aio.ServerInterceptor):
     """Counts the calls a server is running (health checks aside), streams until they end: a
-    replica being removed exits only when this reaches zero."""
+    replica being removed exits only when this reaches zero. Runs on the server's loop thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self.count = 0
 
-    def _add(self, delta: int) -> None:
-        with self._lock:
-            self.count += delta
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith("/grpc.health."):
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc."):
             return handler
         if handler.unary_unary:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
@@ -130,64 +173,67 @@ class InFlightCounter(grpc.ServerInterceptor):
         return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
 
     def _wrap_unary(self, behaviour: Callable) -> Callable:
-        def wrapped(request, context):
-            self._add(1)
+        async def wrapped(request, context):
+            self.count += 1
             try:
-                return behaviour(request, context)
+                return await behaviour(request, context)
             finally:
-                self._add(-1)
+                self.count -= 1
 
         return wrapped
 
     def _wrap_stream(self, behaviour: Callable) -> Callable:
-        def wrapped(request, context):
-            self._add(1)
+        async def wrapped(request, context):
+            self.count += 1
             try:
-                yield from behaviour(request, context)
+                async for item in behaviour(request, context):
+                    yield item
             finally:
-                self._add(-1)
+                self.count -= 1
 
         return wrapped
 
 
-def start_server(
-    services: Iterable[tuple[Callable, object, str]], host: str = "127.0.0.1", port: int = 0, max_workers: int = 32,
-    interceptors: Iterable[grpc.ServerInterceptor] = (),
-) -> tuple[grpc.Server, int]:
-    """Start a server with the given services plus grpc.health.v1; returns it and its bound port.
-
-    ``services`` holds ``(add_XServicer_to_server, servicer, full service name)``; the health
-    service reports each name (and the server as a whole) SERVING once it is started.
-    """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
-                         interceptors=list(interceptors))
-    names = []
-    for add, servicer, name in services:
-        add(servicer, server)
-        names.append(name)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
-    server.start()
-    for name in [*names, ""]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+Service = tuple[Callable, object, str]  # (add_XServicer_to_server, servicer, full service name)
 
 
 class RoleServer:
-    """Hosts one role's gRPC service in its own process (the launcher makes it a Ray actor)."""
+    """Hosts one role's gRPC service in its own process (the controller makes it a Ray actor).
 
+    The server runs on an ``EventLoop`` thread; the actor's own methods (``address``,
+    ``in_flight``, ``stop``...) are called by Ray on other threads. grpc.health.v1 says SERVING
+    while ``healthy()`` holds (checked every ``HEALTH_INTERVAL_S`` on the loop: it must be quick)
+    and the server is not shutting down."""
+
+    HEALTH_INTERVAL_S = 0.25
     host: str
     port: int
-    server: grpc.Server
 
-    def _serve(self, add: Callable, servicer: object, name: str, host: str, port: int = 0) -> None:
+    def _serve(self, services: Iterable[Service], host: str, port: int = 0,
+               healthy: Callable[[], bool] = lambda: True) -> None:
         self.host = resolve_host(host)
+        services = list(services)
+        self._service_names = [name for _, _, name in services]
+        self._healthy = healthy
+        self.shutting_down = False
+        self.events = EventLoop(self._service_names[0].rsplit(".", 1)[-1].lower())
         self._in_flight = InFlightCounter()
-        self.server, self.port = start_server([(add, servicer, name)], host=self.host, port=port,
-                                              interceptors=[self._in_flight])
+        self.server, self.port, self._health = self.events.run(_start_server(services, self.host, port,
+                                                                             self._in_flight))
+        self.events.run(_report_health(self))
+        self._health_task = asyncio.run_coroutine_threadsafe(_health_loop(self), self.events.loop)
+
+    def serving(self) -> bool:
+        try:
+            return not self.shutting_down and bool(self._healthy())
+        except Exception:  # noqa: BLE001 - a health check that cannot tell says no
+            log.exception("health check failed")
+            return False
+
+    def start_shutdown(self) -> None:
+        """Health says NOT_SERVING from now on (a load balancer stops sending here)."""
+        self.shutting_down = True
+        self.events.run(_report_health(self))
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -201,39 +247,82 @@ class RoleServer:
 
         return ray.get_runtime_context().get_node_id()
 
-    def stop(self) -> None:
-        self.server.stop(grace=1).wait()
+    def ping(self) -> bool:
+        return True
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.start_shutdown()
+        self._health_task.cancel()
+        self.events.run(self.server.stop(grace_s), timeout=grace_s + 10)
+        self.events.close()
+
+
+# Module functions, not methods: Ray would take a class with an ``async def`` for an async actor.
+
+
+async def _start_server(services: list[Service], host: str, port: int, in_flight: InFlightCounter):
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[in_flight])
+    for add, servicer, _ in services:
+        add(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound, health
+
+
+async def _report_health(role: RoleServer) -> bool:
+    serving = role.serving()
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in [*role._service_names, ""]:
+        await role._health.set(name, status)
+    return serving
+
+
+async def _health_loop(role: RoleServer) -> None:
+    last = None
+    while True:
+        await asyncio.sleep(role.HEALTH_INTERVAL_S)
+        if role.serving() != last:
+            last = await _report_health(role)
 
 
 def channel(address: str) -> grpc.Channel:
+    """A blocking channel (clients, tests, the controller's probes)."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class StubCache:
-    """One channel and stub per address, made on first use and kept (channels reconnect on their own)."""
+    """One asyncio channel and stub per address, made on first use and kept (channels reconnect on
+    their own). Used on an event loop: the channels belong to it."""
 
-    def __init__(self, make_stub: Callable[[grpc.Channel], object]) -> None:
+    def __init__(self, make_stub: Callable[[grpc.aio.Channel], object]) -> None:
         self._make_stub = make_stub
         self._stubs: dict[str, object] = {}
-        self._lock = threading.Lock()
 
     def get(self, address: str):
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                stub = self._stubs[address] = self._make_stub(channel(address))
-            return stub
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = self._make_stub(grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+        return stub
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> int | None:
+    """What the server's grpc.health.v1 says (a ``HealthCheckResponse`` status), or None when it
+    does not answer."""
+    try:
+        with channel(address) as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service),
+                                                           timeout=timeout_s)
+        return reply.status
+    except grpc.RpcError:
+        return None
 
 
 def is_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    try:
-        with channel(address) as chan:
-            reply = health_pb2_grpc.HealthStub(chan).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-            )
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+    return health_status(address, service, timeout_s) == health_pb2.HealthCheckResponse.SERVING
 
 
 def wait_serving(address: str, timeout_s: float = 60.0, service: str = "") -> None:

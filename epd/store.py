@@ -1,27 +1,46 @@
-"""The embedding store: vision embeddings in Redis, keyed by image content and model.
+"""The embedding store: vision embeddings in Redis, keyed by image content and model. A cache,
+never a single point of failure.
 
 Key: ``epd:emb:v1:<model-fingerprint>:<image-key>`` where the image key is a sha256 over the image
 bytes and every processor setting that changes the pixels (``epd.imaging.image_key``). Value: a
-small binary header (magic, version, JSON with dtype, shape and grid) followed by the raw tensor
-bytes. Never pickle: a value written by one version is readable, or cleanly refused, by another.
-Entries carry a TTL; the Redis server's memory cap with LRU eviction bounds the whole store.
+small binary header (magic, version, JSON with the key it was written under, dtype, shape and
+grid) followed by the raw tensor bytes. Never pickle. A value that fails its header check, or was
+written under another key (another model, a forged or misplaced value), reads as a miss: the image
+is encoded again and its key overwritten, so a bad value never fails a request.
+
+Redis is reached through a circuit breaker: while it is unreachable (a dead embedded server, a
+network fault) calls fail at once with ``StoreUnavailable`` instead of each waiting for a
+connection timeout, one trial call per back-off tests whether it is back, and each transition is
+logged once. Callers then move embeddings inline in their gRPC calls instead (``docs/RELIABILITY.md``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import struct
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 import torch
 
-from epd import tensors
+from epd import errors, tensors
+from epd.breaker import Breaker
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"EPDE"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sHI")  # magic, version, JSON length
+T = TypeVar("T")
+
+
+class StoreUnavailable(errors.Unavailable):
+    """Redis cannot be reached now; the embedding must travel another way."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +55,10 @@ def store_key(model_fingerprint: str, image_key: str) -> str:
     return f"epd:emb:v1:{model_fingerprint}:{image_key}"
 
 
-def encode_value(embedding: Embedding) -> bytes:
+def encode_value(key: str, embedding: Embedding) -> bytes:
+    """The stored (and inline) form of an embedding: it names the key it belongs to."""
     meta = {
+        "key": key,
         "dtype": tensors.dtype_name(embedding.tensor.dtype),
         "shape": list(embedding.tensor.shape),
         "grid_thw": list(embedding.grid_thw),
@@ -46,58 +67,112 @@ def encode_value(embedding: Embedding) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, len(meta_bytes)) + meta_bytes + tensors.to_bytes(embedding.tensor)
 
 
-def decode_value(value: bytes) -> Embedding:
+def decode_value(key: str, value: bytes) -> Embedding:
+    """Raises ValueError naming what is wrong when ``value`` is not a valid embedding of ``key``."""
     if len(value) < _HEADER.size:
         raise ValueError("embedding value is shorter than its header")
     magic, version, meta_len = _HEADER.unpack_from(value)
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"embedding value has magic {magic!r} version {version}; expected {MAGIC!r} {VERSION}")
-    meta = json.loads(value[_HEADER.size : _HEADER.size + meta_len])
+    try:
+        meta = json.loads(value[_HEADER.size : _HEADER.size + meta_len])
+        written_for, dtype, shape, grid = meta["key"], meta["dtype"], meta["shape"], meta["grid_thw"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"embedding value has an unreadable header: {error}") from None
+    if written_for != key:
+        raise ValueError(f"embedding value was written for another key ({str(written_for)[:80]})")
+    if not (isinstance(shape, list) and len(shape) == 2 and isinstance(grid, list) and len(grid) == 3):
+        raise ValueError(f"embedding value has shape {shape} and grid {grid}; expected 2 and 3 numbers")
     data = memoryview(value)[_HEADER.size + meta_len :]
-    tensor = tensors.from_bytes(data, meta["dtype"], meta["shape"])
-    return Embedding(tensor=tensor, grid_thw=tuple(meta["grid_thw"]))
+    return Embedding(tensor=tensors.from_bytes(data, dtype, shape), grid_thw=tuple(int(v) for v in grid))
 
 
 class EmbeddingStore:
-    """Thin typed layer over redis-py: batched existence checks, puts with TTL, batched gets."""
+    """Thin typed layer over redis-py: batched existence checks, puts with TTL, batched gets, all
+    behind one circuit breaker."""
 
-    def __init__(self, url: str, ttl_s: int = 3600) -> None:
+    def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 2.0) -> None:
         self.url = url
         self.ttl_s = ttl_s
-        self._redis = redis.Redis.from_url(url)
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._breaker = Breaker(base_s=0.25, max_s=5.0)
+        self._lock = threading.Lock()
+
+    @property
+    def reachable(self) -> bool:
+        """False while the breaker is open (the last call to Redis failed)."""
+        with self._lock:
+            return self._breaker.closed
 
     def ping(self) -> bool:
-        return bool(self._redis.ping())
+        return bool(self._call(self._redis.ping))
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """One pipelined round trip for all keys."""
         if not keys:
             return []
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(key)
-        return [bool(n) for n in pipe.execute()]
+
+        def run():
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return pipe.execute()
+
+        return [bool(n) for n in self._call(run)]
 
     def put(self, key: str, embedding: Embedding) -> int:
         """Store one embedding; returns the value's size in bytes."""
-        value = encode_value(embedding)
-        self._redis.set(key, value, ex=self.ttl_s)
+        value = encode_value(key, embedding)
+        self._call(lambda: self._redis.set(key, value, ex=self.ttl_s))
         return len(value)
 
     def get_many(self, keys: Sequence[str]) -> list[Embedding | None]:
-        """Fetch several embeddings in one round trip; a missing (expired, evicted) key gives None."""
+        """Several embeddings in one round trip; a missing (expired, evicted) or invalid value is None."""
         if not keys:
             return []
-        return [None if value is None else decode_value(value) for value in self._redis.mget(list(keys))]
+        values = self._call(lambda: self._redis.mget(list(keys)))
+        return [None if value is None else self._decode_or_none(key, value) for key, value in zip(keys, values)]
 
     def memory_stats(self) -> dict[str, int]:
         """The server's ``used_memory``, ``maxmemory`` (0: none), ``evicted_keys`` and key count."""
-        memory, stats = self._redis.info("memory"), self._redis.info("stats")
+        memory, stats, keys = self._call(lambda: (self._redis.info("memory"), self._redis.info("stats"),
+                                                  self._redis.dbsize()))
         return {"used_memory": int(memory["used_memory"]), "maxmemory": int(memory.get("maxmemory", 0)),
-                "evicted_keys": int(stats.get("evicted_keys", 0)), "keys": int(self._redis.dbsize())}
+                "evicted_keys": int(stats.get("evicted_keys", 0)), "keys": int(keys)}
 
     def delete(self, keys: Sequence[str]) -> int:
-        return int(self._redis.delete(*keys)) if keys else 0
+        return int(self._call(lambda: self._redis.delete(*keys))) if keys else 0
 
     def close(self) -> None:
         self._redis.close()
+
+    @staticmethod
+    def _decode_or_none(key: str, value: bytes) -> Embedding | None:
+        try:
+            return decode_value(key, value)
+        except ValueError as error:
+            log.warning("store: ignoring the value under %s: %s", key[-16:], error)
+            return None
+
+    def _call(self, run: Callable[[], T]) -> T:
+        now = time.monotonic()
+        with self._lock:
+            if not self._breaker.allows(now):
+                raise StoreUnavailable(f"store: Redis is unreachable (next try in "
+                                       f"{self._breaker.retry_at - now:.1f} s)", downstream=True)
+            self._breaker.begin()
+            was_down = not self._breaker.closed
+        try:
+            result = run()
+        except redis.RedisError as error:
+            with self._lock:
+                if self._breaker.closed:
+                    log.warning("store: Redis unreachable (%s: %s); embeddings travel inline until it is back",
+                                type(error).__name__, error)
+                self._breaker.end(False, time.monotonic())
+            raise StoreUnavailable(f"store: {type(error).__name__}: {error}", downstream=True) from None
+        with self._lock:
+            self._breaker.end(True, time.monotonic())
+        if was_down:
+            log.warning("store: Redis reachable again")
+        return result

@@ -13,8 +13,10 @@ is copied into the prefix cache. Positions are computed here from the request al
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +28,7 @@ from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs, sample
-from epd.store import EmbeddingStore
+from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
@@ -58,13 +60,13 @@ class PrefillJob:
     block_hashes: list[bytes]
     rope_delta: int
     deadline_unix: float
-    store_read_s: float = 0.0  # the embedding reads (LRU, then Redis)
+    store_read_s: float = 0.0  # the embedding reads (inline, LRU, then Redis)
     logits: torch.Tensor | None = None
-    error: BaseException | None = None
+    cancelled: bool = False  # its caller went away: it stops at the next chunk edge
     queued_at: float = 0.0
     started_at: float | None = None
     finished_at: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Future = field(default_factory=Future)  # set by the scheduler thread: None or the failure
 
     @property
     def cached_tokens(self) -> int:
@@ -85,28 +87,61 @@ class PrefillEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._store_hits = self._store_misses = 0
+        self.num_cancelled = {"queued": 0, "running": 0}
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ request threads
+    # ------------------------------------------------------------ callers (request threads or coroutines)
 
     def run(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
-        job = self._prepare(request)
+        """Prefill one prompt and sample its next token, blocking until it is done."""
+        job = self.submit(self._prepare(request))
+        job.done.result()
+        return self._result(job, request, sampling)
+
+    async def run_async(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
+        """``run`` for a coroutine: preparing runs in the loop's executor, the forwards on the
+        scheduler thread; if the caller is cancelled (its client went away), the prompt leaves
+        the queue, or stops at its next chunk edge if it is running."""
+        loop = asyncio.get_running_loop()
+        job = self.submit(await loop.run_in_executor(None, self._prepare, request))
+        try:
+            await asyncio.wrap_future(job.done)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+        return self._result(job, request, sampling)
+
+    def submit(self, job: PrefillJob) -> PrefillJob:
         with self._wake:
+            if self._stopping:
+                raise errors.Unavailable("prefill is shutting down")
             job.queued_at = time.perf_counter()
             self._jobs[job.progress] = job
             self._scheduler.add(job.progress)
             self._wake.notify()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        token, logprobs = sample(job.logits, sampling, step=0)
+        return job
+
+    def cancel(self, job: PrefillJob) -> None:
+        """Drop a prompt: it leaves the queue now; if a chunk of it is running, nothing more of it
+        runs after that chunk."""
+        with self._wake:
+            if job.progress not in self._jobs:
+                return  # already done
+            job.cancelled = True
+            self.num_cancelled["running" if job.started_at is not None else "queued"] += 1
+        self._finish(job, errors.Cancelled("prefill: the request was cancelled"))
+
+    def _result(self, job: PrefillJob, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
+        """Sample the next token; for a resumed request it is token number ``num_generated``."""
+        step = request.num_generated
+        token, logprobs = sample(job.logits, sampling, step=step)
         return PrefillResult(
             first_token=token,
             logprobs=logprobs,
             state=job.state,
             rope_delta=job.rope_delta,
-            finish_reason=self._finish_reason(token, sampling),
+            finish_reason=self._finish_reason(token, sampling, num_generated=step),
             prefill_s=job.finished_at - job.started_at,
             store_read_s=job.store_read_s,
             queue_s=job.started_at - job.queued_at,
@@ -147,20 +182,28 @@ class PrefillEngine:
         )
 
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
-        """Embeddings of the images at ``needed``: the in-process LRU first, then one Redis MGET."""
+        """Embeddings of the images at ``needed``: sent inline, else the in-process LRU, else one
+        Redis MGET. A value of the wrong shape counts as missing and is never cached."""
+        expected = {images[i].store_key: (images[i].merged_height * images[i].merged_width, self.info.hidden_size)
+                    for i in needed}
         found: dict[str, torch.Tensor] = {}
         for index in needed:
-            key = images[index].store_key
-            if key not in found:
-                tensor = self.embeddings.get(key)
-                if tensor is not None:
-                    found[key] = tensor
-        missing = list(dict.fromkeys(images[i].store_key for i in needed if images[i].store_key not in found))
-        for key, embedding in zip(missing, self.store.get_many(missing)):
-            if embedding is None:
+            ref = images[index]
+            if ref.store_key in found:
                 continue
-            found[key] = embedding.tensor
-            self.embeddings.put(key, embedding.tensor, embedding.tensor.numel() * embedding.tensor.element_size())
+            tensor = self._inline(ref) if ref.embedding else self.embeddings.get(ref.store_key)
+            if tensor is not None and tuple(tensor.shape) == expected[ref.store_key]:
+                found[ref.store_key] = tensor
+        missing = [key for key in expected if key not in found]
+        try:
+            stored = self.store.get_many(missing)
+        except StoreUnavailable as error:
+            # The router encodes again with the embeddings inline: slower, still correct.
+            raise errors.FailedPrecondition(f"embeddings of {len(missing)} image(s) are out of reach: {error}") from None
+        for key, embedding in zip(missing, stored):
+            if embedding is not None and tuple(embedding.tensor.shape) == expected[key]:
+                found[key] = embedding.tensor
+                self.embeddings.put(key, embedding.tensor, embedding.tensor.numel() * embedding.tensor.element_size())
         with self._wake:
             self._store_hits += sum(key in found for key in missing)
             self._store_misses += sum(key not in found for key in missing)
@@ -169,19 +212,24 @@ class PrefillEngine:
             ref = images[index]
             if ref.store_key not in found:
                 # The router re-encodes on this status: an eviction between its check and this
-                # read must cost a retry, never a failed request.
+                # read (or a value that failed its checks) costs a retry, never a failed request.
                 raise errors.FailedPrecondition(f"embedding of image {index} is not in the store: {ref.store_key}")
-            tensor = found[ref.store_key]
-            expected = (ref.merged_height * ref.merged_width, self.info.hidden_size)
-            if tuple(tensor.shape) != expected:
-                raise errors.ServiceError(f"embedding of image {index} has shape {tuple(tensor.shape)}, expected {expected}")
-            out[index] = tensor
+            out[index] = found[ref.store_key]
         return out
 
-    def _finish_reason(self, token: int, sampling: SamplingConfig) -> FinishReason | None:
+    def _inline(self, ref: epd_pb2.ImageRef) -> torch.Tensor | None:
+        try:
+            tensor = decode_value(ref.store_key, ref.embedding).tensor
+        except ValueError as error:
+            raise ValueError(f"inline embedding for {ref.store_key[-16:]}: {error}") from None
+        self.embeddings.put(ref.store_key, tensor, tensor.numel() * tensor.element_size())
+        return tensor
+
+    def _finish_reason(self, token: int, sampling: SamplingConfig, num_generated: int = 0) -> FinishReason | None:
+        """Why the request ends with ``token`` (the answer's token number ``num_generated``), if it does."""
         if token in self.info.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.EOS
-        if sampling.max_tokens <= 1:
+        if num_generated + 1 >= sampling.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -196,12 +244,16 @@ class PrefillEngine:
                     return
                 progress, end = self._scheduler.next_chunk()
                 job = self._jobs[progress]
+                if job.started_at is None:
+                    job.started_at = time.perf_counter()  # from here a cancel waits for a chunk edge
             try:
                 self._run_chunk(job, end)
             except Exception as error:  # noqa: BLE001 - one prompt's failure must not stop the others
                 self._finish(job, error)
                 continue
             with self._wake:
+                if job.cancelled:
+                    continue  # cancelled during the chunk: it already left the queue
                 self._scheduler.advance(progress, end)
             if progress.done:
                 self._finish(job, None)
@@ -209,8 +261,6 @@ class PrefillEngine:
     def _run_chunk(self, job: PrefillJob, end: int) -> None:
         if job.deadline_unix and time.time() > job.deadline_unix:
             raise errors.DeadlineExceeded("prefill: request passed its deadline while queued")
-        if job.started_at is None:
-            job.started_at = time.perf_counter()
         base = job.cached_tokens
         lo, hi = job.progress.cursor - base, end - base
         hidden = self.runner.forward(job.embeds[lo:hi], job.positions[:, lo:hi], job.state)
@@ -225,18 +275,26 @@ class PrefillEngine:
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         with self._wake:
             self._scheduler.remove(job.progress)
-            self._jobs.pop(job.progress, None)
-        job.error = error
+            if self._jobs.pop(job.progress, None) is None:
+                return  # already finished (cancelled while the scheduler was picking it)
         job.finished_at = time.perf_counter()
         if job.started_at is None:
             job.started_at = job.finished_at
-        job.done.set()
+        if error is None:
+            job.done.set_result(None)
+        else:
+            job.done.set_exception(error)
 
     def stop(self) -> None:
+        """Stop the scheduler thread; prompts still waiting fail with UNAVAILABLE (their callers
+        retry on another prefill replica) instead of waiting for ever."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
+            waiting = list(self._jobs.values())
         self._thread.join(timeout=10)
+        for job in waiting:
+            self._finish(job, errors.Unavailable("prefill is shutting down"))
 
     def num_waiting(self) -> int:
         """Prompts queued or part-way through their prefill."""

@@ -1,15 +1,19 @@
 """The Prefill gRPC service: run the prompt through ``PrefillEngine``, hand the state to a decode
-replica (the least busy one the registry lists) and tell the router where the tokens stream from."""
+replica (the least busy one; another one if it dies during the handoff) and tell the router where
+the tokens stream from.
+
+A call is a coroutine on the server's event loop: waiting for the scheduler holds no thread, and
+a router that goes away (its client left) cancels the call, which drops the prompt from the queue
+or stops it at its next chunk edge.
+"""
 
 from __future__ import annotations
 
 import time
 
-import grpc
-
-from epd import handoff, rpc
+from epd import discovery, handoff, rpc
 from epd.config import ServeConfig
-from epd.discovery import DecodeTargets, RoleContext
+from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
@@ -21,14 +25,14 @@ from prefill_svc.engine import PrefillEngine
 
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, decode: DecodeTargets) -> None:
+    def __init__(self, engine: PrefillEngine, decode: discovery.Targets) -> None:
         self.engine = engine
         self._decode = decode  # the decode replicas; each handoff goes to the least busy one
 
     @rpc.unary_errors
-    def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
+    async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
         sampling = sampling_from_proto(request.sampling)
-        result = self.engine.run(request, sampling)
+        result = await self.engine.run_async(request, sampling)
         reply = epd_pb2.PrefillResponse(
             first_token=result.first_token,
             first_logprobs=logprobs_to_proto(result.logprobs),
@@ -49,19 +53,18 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             first_token=result.first_token,
             sampling=request.sampling,
             deadline_unix=request.deadline_unix,
+            num_generated=request.num_generated + 1,
         )
-        try:
-            decode_addr = self._decode.handoff(handoff.chunks(header, result.state), timeout=context.time_remaining())
-        except grpc.RpcError as error:
-            raise rpc.RpcFailure.from_rpc_error(error, "decode handoff") from None
+        _, reply.decode_addr = await self._decode.call(
+            "Handoff", lambda: handoff.chunks(header, result.state), timeout=context.time_remaining())
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()
-        reply.decode_addr = decode_addr
         return reply
 
 
 class PrefillServer(rpc.RoleServer):
-    """Hosts the Prefill service in its own process (a Ray actor the controller makes)."""
+    """Hosts the Prefill service in its own process (a Ray actor the controller makes). It reports
+    SERVING while a decode replica takes handoffs."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.prefill
@@ -69,14 +72,16 @@ class PrefillServer(rpc.RoleServer):
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
-        self._decode = DecodeTargets(context)
-        servicer = PrefillServicer(self.engine, self._decode)
-        self._serve(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill", context.host)
+        self._decode = discovery.decode_targets(context)
+        self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),
+                      "epd.v1.Prefill")], context.host, healthy=lambda: self._decode.balancer.num_available() > 0)
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
+        self.membership = Membership(context, address=self.address())
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.membership.close()
         self._decode.close()
-        super().stop()
+        super().stop(grace_s)
         self.engine.stop()
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -3,7 +3,7 @@ points, the prefill chunk scheduler, the router's encode single flight, and thei
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 import pytest
 
@@ -79,21 +79,24 @@ def test_scheduler_runs_the_shortest_remaining_prompt_next_and_stops_at_snapshot
 
 
 def test_single_flight_runs_one_call_per_key_and_shares_the_outcome():
-    flights: SingleFlight[str] = SingleFlight()
-    led, joined = flights.claim(["a", "b", "a"])
-    assert led == ["a", "b"] and joined == {}
-    led2, joined2 = flights.claim(["b", "c"])
-    assert led2 == ["c"] and set(joined2) == {"b"}
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(joined2["b"].result(timeout=5)))
-    waiter.start()
-    flights.resolve("b", result="B")
-    waiter.join()
-    assert got == ["B"]
-    flights.resolve("a", error=RuntimeError("replica died"))
-    flights.resolve("c", result="C")
-    assert flights.claim(["a"])[0] == ["a"]  # a finished key can be led again
-    assert flights.num_joined == 1
+    async def scenario():
+        flights: SingleFlight[str] = SingleFlight()
+        led, joined = flights.claim(["a", "b", "a"])
+        assert led == ["a", "b"] and joined == {}
+        led2, joined2 = flights.claim(["b", "c"])
+        assert led2 == ["c"] and set(joined2) == {"b"}
+        waiter = asyncio.ensure_future(joined2["b"])
+        flights.resolve("b", result="B")
+        assert await asyncio.wait_for(waiter, 5) == "B"
+        _, joined3 = flights.claim(["a"])
+        flights.resolve("a", error=RuntimeError("replica died"))
+        with pytest.raises(RuntimeError, match="replica died"):
+            await joined3["a"]  # a waiter sees the leader's failure (and then tries itself)
+        flights.resolve("c", result="C")
+        assert flights.claim(["a"])[0] == ["a"]  # a finished key can be led again
+        assert flights.num_joined == 2
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("field,value", [

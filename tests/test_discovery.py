@@ -1,94 +1,156 @@
-"""Bookkeeping of discovery and load balancing, without Ray: the registry's versions and drain
-acknowledgements, least-busy picking, the encoder pool's join/leave/drain, and the autoscaling
-policy's decisions."""
+"""Bookkeeping of discovery, balancing and replica life, without Ray: the registry's versions,
+heartbeats, health marks and drain acknowledgements; least-busy picking with circuit breakers;
+the controller's reading of probes (``control.fleet``); the autoscaling policy's decisions."""
 
 from __future__ import annotations
 
-import grpc
+import time
+
 import pytest
 
 from control.autoscale import AutoscalePolicy
-from encode_svc.server import ReplicaPool
-from epd import rpc
+from control.fleet import Fleet, Probe
+from epd import errors
+from epd.breaker import Breaker
 from epd.config import AutoscaleConfig
-from epd.discovery import Balancer, Endpoint, Registry
+from epd.discovery import WATCHER_STALE_S, Balancer, Endpoint, Registry
 
 
-def test_registry_drain_waits_for_every_watcher_of_the_role():
+def _ep(name, role="decode", incarnation="i1", **kwargs):
+    return Endpoint(name=name, role=role, address=f"h:{name}", incarnation=incarnation, **kwargs)
+
+
+def test_registry_drain_waits_for_every_watcher_and_its_calls_in_flight():
     registry = Registry()
-    registry.register(Endpoint(name="decode-1", role="decode", address="h:1"))
-    registry.register(Endpoint(name="decode-2", role="decode", address="h:2"))
+    registry.register(_ep("decode-1"))
+    registry.register(_ep("decode-2"))
     registry.snapshot("prefill-1/decode", "decode")  # two prefill replicas watch decode
     registry.snapshot("prefill-2/decode", "decode")
     registry.snapshot("router-1/prefill", "prefill")  # a watcher of another role does not count
     version = registry.drain("decode-2")
     assert not registry.acked("decode", version)  # nobody has applied it yet
-    registry.ack("prefill-1/decode", "decode", version)
+    registry.ack("prefill-1/decode", "decode", registry.epoch, version, {})
     assert not registry.acked("decode", version)
-    registry.ack("prefill-2/decode", "decode", version)
-    assert registry.acked("decode", version)
-    _, endpoints = registry.snapshot()
+    # prefill-2 applied it, but a handoff it had picked decode-2 for is still on its way there
+    registry.ack("prefill-2/decode", "decode", registry.epoch, version, {"decode-2": 1})
+    assert registry.acked("decode", version) and not registry.acked("decode", version, "decode-2")
+    registry.ack("prefill-2/decode", "decode", registry.epoch, version, {})
+    assert registry.acked("decode", version, "decode-2")
+    _, _, endpoints = registry.snapshot()
     assert {e.name: e.draining for e in endpoints} == {"decode-1": False, "decode-2": True}
 
 
-def test_a_removed_replicas_watchers_stop_blocking_drains():
+def test_a_watcher_that_died_without_acknowledging_stops_blocking_drains(monkeypatch):
     registry = Registry()
-    registry.register(Endpoint(name="decode-1", role="decode", address="h:1"))
-    registry.snapshot("prefill-1/decode", "decode")
-    registry.remove("prefill-1")
+    registry.register(_ep("decode-1"))
+    registry.snapshot("prefill-9/decode", "decode")  # its process dies before it ever acks
+    version = registry.drain("decode-1")
+    assert not registry.acked("decode", version)
+    later = time.monotonic() + WATCHER_STALE_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert registry.acked("decode", version)
+    registry.remove("prefill-9")
     assert registry.acked("decode", registry.drain("decode-1"))
 
 
-def test_balancer_spreads_concurrent_calls_and_skips_draining():
+def test_an_ack_from_before_a_registry_restart_counts_for_nothing():
+    registry = Registry()
+    registry.snapshot("prefill-1/decode", "decode")
+    registry.register(_ep("decode-1"))
+    version = registry.drain("decode-1")
+    registry.ack("prefill-1/decode", "decode", "an older epoch", version, {})
+    assert not registry.acked("decode", version)
+
+
+def test_heartbeats_restarts_health_and_removal():
+    registry = Registry()
+    v1 = registry.register(_ep("decode-1"))
+    assert registry.register(_ep("decode-1")) == v1  # a heartbeat that changes nothing is not a change
+    registry.mark("decode-1", healthy=False)
+    registry.drain("decode-1")
+    registry.register(Endpoint(name="decode-1", role="decode", address="h:new", incarnation="i2"))
+    (endpoint,) = registry.snapshot()[2]
+    # Ray restarted it: the new address, healthy again, but still draining (it is being removed).
+    assert (endpoint.address, endpoint.healthy, endpoint.draining) == ("h:new", True, True)
+    registry.remove("decode-1")
+    registry.register(_ep("decode-1"))  # a late heartbeat from the removed replica
+    assert registry.snapshot()[2] == []
+
+
+def test_balancer_spreads_calls_and_skips_draining_and_unhealthy_replicas():
     balancer = Balancer("prefill")
-    balancer.update([Endpoint(name=n, role="prefill", address=f"h:{n}") for n in ("a", "b", "c")])
+    balancer.update([_ep(n, "prefill") for n in ("a", "b", "c")])
     picked = [balancer.pick()[0] for _ in range(3)]
     assert sorted(picked) == ["a", "b", "c"]  # three calls in flight land on three replicas
-    balancer.update([Endpoint(name="a", role="prefill", address="h:a"),
-                     Endpoint(name="b", role="prefill", address="h:b", draining=True)])
+    balancer.update([_ep("a", "prefill"), _ep("b", "prefill", draining=True), _ep("c", "prefill", healthy=False)])
     assert {balancer.pick()[0] for _ in range(4)} == {"a"}
     assert balancer.outstanding()["b"] == 1  # its call in flight is still counted until it ends
     balancer.update([])
-    with pytest.raises(rpc.RpcFailure) as raised:
+    with pytest.raises(errors.Unavailable, match="no healthy prefill replica"):
         balancer.pick()
-    assert raised.value.code is grpc.StatusCode.UNAVAILABLE and "no prefill replica" in raised.value.message
 
 
-class _Replica:
-    """Stands in for an encoder actor handle: records which keys it was given."""
-
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-        self.encode = self
-
-    def remote(self, store_key, data, max_pixels):
-        self.keys.append(store_key)
-        return f"ref:{store_key}"
-
-
-def test_pool_splits_a_requests_images_over_replicas_and_single_flights_keys():
-    replicas = {"e1": _Replica(), "e2": _Replica(), "e3": _Replica()}
-    pool = ReplicaPool(replicas)
-    names = [pool.submit(f"k{i}", b"", 0)[1] for i in range(3)]
-    assert sorted(names) == ["e1", "e2", "e3"]  # one image per replica, encoded in parallel
-    ref, joined = pool.submit("k0", b"", 0)
-    assert (ref, joined) == ("ref:k0", None)  # the same key joins the encode in flight
-    assert pool.load() == (3, 3)
+def test_a_failed_replica_leaves_rotation_then_one_trial_brings_it_back(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    balancer = Balancer("decode")
+    balancer.update([_ep("a"), _ep("b")])
+    name, _ = balancer.pick(exclude={"b"})
+    balancer.release(name, ok=False)  # "a" died under a call
+    assert [balancer.pick()[0] for _ in range(3)] == ["b", "b", "b"]  # never the failing one
+    assert balancer.num_available() == 1
+    with pytest.raises(errors.Unavailable, match="every decode replica failed this request"):
+        balancer.pick(exclude={"b"})
+    now[0] += 0.6  # past the back-off: one trial call may go to "a"
+    trial, _ = balancer.pick(exclude={"b"})
+    assert trial == "a" and balancer.num_available() == 1  # only that one trial
+    balancer.release("a", ok=True)
+    assert balancer.num_available() == 2
 
 
-def test_pool_drains_a_replica_that_left():
-    e1, e2 = _Replica(), _Replica()
-    pool = ReplicaPool({"e1": e1, "e2": e2})
-    _, first = pool.submit("k1", b"", 0)
-    pool.update({n: h for n, h in {"e1": e1, "e2": e2}.items() if n != first})  # ``first`` drains
-    assert pool.outstanding(first) == 1
-    for i in range(4):
-        assert pool.submit(f"new{i}", b"", 0)[1] != first
-    pool.done("k1", first)
-    assert pool.outstanding(first) == 0
-    pool.update({})
-    with pytest.raises(rpc.RpcFailure, match="no encoder replica"):
-        pool.submit("k2", b"", 0)
+def test_client_errors_do_not_open_a_breaker():
+    breaker = Breaker(base_s=1.0)
+    breaker.begin()
+    breaker.end(None, now=0.0)  # a bad request, or a failure behind the replica: neutral
+    assert breaker.closed and breaker.allows(0.0)
+    for failures, back_off in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        breaker.begin()
+        breaker.end(False, now=0.0)
+        assert breaker.failures == failures and breaker.retry_at == back_off
+    assert not breaker.allows(3.9) and breaker.allows(4.0)
+
+
+def test_a_restarted_replica_gets_a_clean_breaker():
+    balancer = Balancer("decode")
+    balancer.update([_ep("a")])
+    balancer.pick()
+    balancer.release("a", ok=False)
+    assert balancer.num_available() == 0
+    balancer.update([_ep("a", incarnation="i2")])
+    assert balancer.num_available() == 1
+
+
+def test_fleet_reads_probes_into_life_events():
+    fleet = Fleet()
+    fleet.add("decode-1", "decode", now=0.0)
+    assert fleet.observe("decode-1", Probe.UNREACHABLE, "", now=1.0) == []  # still loading
+    (joined,) = fleet.observe("decode-1", Probe.SERVING, "i1", now=5.0)
+    assert (joined.kind, joined.seconds) == ("joined", 5.0) and fleet.healthy_count("decode") == 1
+    (down,) = fleet.observe("decode-1", Probe.UNREACHABLE, "i1", now=10.0)
+    assert down.kind == "unhealthy" and fleet.healthy_count("decode") == 0
+    (restarted,) = fleet.observe("decode-1", Probe.SERVING, "i2", now=14.0)  # Ray restarted it: a new process
+    assert (restarted.kind, restarted.seconds) == ("restarted", 4.0) and fleet.healthy_count("decode") == 1
+    fleet.observe("decode-1", Probe.UNREACHABLE, "i2", now=15.0)
+    (recovered,) = fleet.observe("decode-1", Probe.SERVING, "i2", now=16.5)  # the same process answers again
+    assert (recovered.kind, recovered.seconds) == ("recovered", 1.5)
+    (died,) = fleet.observe("decode-1", Probe.DEAD, "i2", now=20.0)
+    assert died.kind == "died" and fleet.count("decode", "died") == 1
+    fleet.remove("decode-1", now=20.0)
+    fleet.add("decode-2", "decode", now=20.0, replaces="decode-1", replaces_dead_at=20.0)
+    (replaced,) = fleet.observe("decode-2", Probe.SERVING, "j1", now=26.5)
+    assert (replaced.kind, replaced.seconds, replaced.detail) == ("replaced", 6.5, "replaces decode-1")
+    (busy,) = fleet.observe("decode-2", Probe.NOT_SERVING, "j1", now=30.0)
+    assert busy.kind == "unhealthy" and busy.detail == "not_serving"
 
 
 def test_autoscale_up_at_once_down_after_cooldown_within_bounds():

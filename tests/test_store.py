@@ -9,7 +9,16 @@ import redis
 import torch
 
 from control.redis_server import EmbeddedRedis
-from epd.store import MAGIC, VERSION, Embedding, EmbeddingStore, decode_value, encode_value, store_key
+from epd.store import (
+    MAGIC,
+    VERSION,
+    Embedding,
+    EmbeddingStore,
+    StoreUnavailable,
+    decode_value,
+    encode_value,
+    store_key,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,7 @@ def test_put_get_round_trip_is_exact(store, dtype):
     emb = _embedding(dtype, tokens=25, hidden=16, grid=(1, 10, 10), seed=1)
     key = store_key("fp", f"img-{dtype}")
     size = store.put(key, emb)
-    assert size == len(encode_value(emb)) and size > 25 * 16 * emb.tensor.element_size()
+    assert size == len(encode_value(key, emb)) and size > 25 * 16 * emb.tensor.element_size()
     (got,) = store.get_many([key])
     assert got is not None
     assert got.tensor.dtype == dtype
@@ -96,31 +105,75 @@ def test_ping(store):
 
 
 def test_decode_value_rejects_wrong_magic():
-    value = bytearray(encode_value(_embedding(torch.float32)))
+    value = bytearray(encode_value("k", _embedding(torch.float32)))
     value[:4] = b"NOPE"
     with pytest.raises(ValueError, match="magic"):
-        decode_value(bytes(value))
+        decode_value("k", bytes(value))
 
 
 def test_decode_value_rejects_wrong_version():
-    value = bytearray(encode_value(_embedding(torch.float32)))
+    value = bytearray(encode_value("k", _embedding(torch.float32)))
     struct.pack_into("<H", value, 4, VERSION + 1)
     with pytest.raises(ValueError, match="version"):
-        decode_value(bytes(value))
+        decode_value("k", bytes(value))
 
 
 @pytest.mark.parametrize("length", [0, 3, 9])
 def test_decode_value_rejects_too_short(length):
-    value = encode_value(_embedding(torch.float32))[:length]
+    value = encode_value("k", _embedding(torch.float32))[:length]
     with pytest.raises(ValueError, match="shorter than its header"):
-        decode_value(value)
+        decode_value("k", value)
 
 
 def test_decode_value_rejects_truncated_tensor_bytes():
-    value = encode_value(_embedding(torch.float32))
+    value = encode_value("k", _embedding(torch.float32))
     assert value[:4] == MAGIC
     with pytest.raises(ValueError):
-        decode_value(value[:-4])
+        decode_value("k", value[:-4])
+
+
+def test_a_value_written_for_another_key_is_refused_and_reads_as_a_miss(store):
+    """A value under the wrong key (another model's fingerprint, a forged or misplaced value) or a
+    corrupt one is never served: decoding refuses it and the store reads it as a miss."""
+    emb = _embedding(torch.float32)
+    other_model = store_key("fp-other", "img")
+    with pytest.raises(ValueError, match="written for another key"):
+        decode_value(store_key("fp", "img"), encode_value(other_model, emb))
+    mine = store_key("fp", "img")
+    store._redis.set(mine, encode_value(other_model, emb))
+    store._redis.set("k:corrupt", b"EPDE" + b"\x00" * 40)
+    store.put("k:good", emb)
+    got = store.get_many([mine, "k:corrupt", "k:good"])
+    assert got[0] is None and got[1] is None and torch.equal(got[2].tensor, emb.tensor)
+
+
+def test_an_unreachable_store_fails_fast_and_is_used_again_when_it_returns(tmp_path):
+    srv = EmbeddedRedis(max_memory_mb=16, directory=str(tmp_path))
+    s = EmbeddingStore(srv.url, ttl_s=60)
+    try:
+        s.put("k:1", _embedding(torch.float32))
+        srv.stop()
+        with pytest.raises(StoreUnavailable):
+            s.exists_many(["k:1"])
+        assert not s.reachable
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            s.get_many(["k:1"])  # the breaker is open: no connection attempt at all
+        assert time.monotonic() - started < 0.05
+        srv.start()  # the same socket, empty (the store is only a cache)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                assert s.exists_many(["k:1"]) == [False]
+                break
+            except StoreUnavailable:
+                time.sleep(0.1)  # the breaker lets one try through per back-off
+        assert s.reachable
+        s.put("k:2", _embedding(torch.float32))
+        assert s.exists_many(["k:2"]) == [True]
+    finally:
+        s.close()
+        srv.stop()
 
 
 def test_embedded_server_evicts_under_memory_cap():
@@ -133,7 +186,7 @@ def test_embedded_server_evicts_under_memory_cap():
         for i, key in enumerate(keys):
             if i == len(old):
                 time.sleep(2.5)  # redis' LRU clock ticks once a second (on its cron): make the first keys clearly older
-            s.put(key, Embedding(torch.full((one_mb,), float(i)), (1, 2, 2)))  # never raises (OOM)
+            s.put(key, Embedding(torch.full((256, one_mb // 256), float(i)), (1, 2, 2)))  # never raises (OOM)
         present = s.exists_many(keys)
         assert not any(present[: len(old)]), present  # the oldest are gone
         assert present[-1]  # the newest survived
@@ -142,7 +195,7 @@ def test_embedded_server_evicts_under_memory_cap():
         assert info["evicted_keys"] >= 40 - 16
         assert info["used_memory"] <= 16 * 1024 * 1024
         (last,) = s.get_many([keys[-1]])
-        assert torch.equal(last.tensor, torch.full((one_mb,), 39.0))
+        assert torch.equal(last.tensor, torch.full((256, one_mb // 256), 39.0))
         s.close()
     finally:
         small.stop()

@@ -83,7 +83,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings")
+    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings", "resumes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class Summary(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     image_tokens: int
@@ -110,7 +111,8 @@ class Summary(_message.Message):
     cached_tokens: int
     images_cached: int
     timings: StageTimings
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    resumes: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("encode_s", "store_write_s", "store_read_s", "prefill_s", "handoff_s", "handoff_bytes", "queue_s")
@@ -139,14 +141,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("store_key", "data", "max_pixels")
+    __slots__ = ("store_key", "data", "max_pixels", "inline")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     data: bytes
     max_pixels: int
-    def __init__(self, store_key: _Optional[str] = ..., data: _Optional[bytes] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+    inline: bool
+    def __init__(self, store_key: _Optional[str] = ..., data: _Optional[bytes] = ..., max_pixels: _Optional[int] = ..., inline: _Optional[bool] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("items",)
@@ -155,20 +159,22 @@ class EncodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ...) -> None: ...
 
 class EncodedImage(_message.Message):
-    __slots__ = ("store_key", "num_tokens", "grid_thw", "encode_s", "error", "store_write_s")
+    __slots__ = ("store_key", "num_tokens", "grid_thw", "encode_s", "error", "store_write_s", "embedding")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STORE_WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     encode_s: float
     error: str
     store_write_s: float
-    def __init__(self, store_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., encode_s: _Optional[float] = ..., error: _Optional[str] = ..., store_write_s: _Optional[float] = ...) -> None: ...
+    embedding: bytes
+    def __init__(self, store_key: _Optional[str] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., encode_s: _Optional[float] = ..., error: _Optional[str] = ..., store_write_s: _Optional[float] = ..., embedding: _Optional[bytes] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("images",)
@@ -177,14 +183,16 @@ class EncodeResponse(_message.Message):
     def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("store_key", "merged_height", "merged_width")
+    __slots__ = ("store_key", "merged_height", "merged_width", "embedding")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     MERGED_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     MERGED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     merged_height: int
     merged_width: int
-    def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ...) -> None: ...
+    embedding: bytes
+    def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ..., embedding: _Optional[bytes] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs")
@@ -205,18 +213,20 @@ class ResolvedSampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "images", "sampling", "deadline_unix")
+    __slots__ = ("request_id", "token_ids", "images", "sampling", "deadline_unix", "num_generated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     sampling: ResolvedSampling
     deadline_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes", "store_read_s", "cached_tokens", "queue_s")
@@ -255,7 +265,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "rope_delta", "first_token", "sampling", "deadline_unix", "tensors")
+    __slots__ = ("request_id", "prompt_len", "rope_delta", "first_token", "sampling", "deadline_unix", "tensors", "num_generated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +273,7 @@ class HandoffHeader(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     rope_delta: int
@@ -270,7 +281,8 @@ class HandoffHeader(_message.Message):
     sampling: ResolvedSampling
     deadline_unix: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("header", "data")

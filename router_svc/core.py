@@ -1,0 +1,398 @@
+"""The router's request path, on the router's event loop, for every public front (gRPC today).
+
+Per request: validate and tokenize (``PromptBuilder``), ask the store which image keys it already
+has (one pipelined round trip), send the misses to an Encoder service, send the prefill job, then
+relay the decode stream, applying stop strings, and end with a summary.
+
+What may fail, and what happens (``docs/RELIABILITY.md``):
+- an Encoder service, prefill or decode replica that dies under a call: the call goes to another
+  replica of that role (``discovery.Targets``); encoding is content-keyed, a prefill whose worker
+  died never reached decode under that attempt's id;
+- the decode worker of a running stream: the request *resumes*: prefill runs the prompt plus the
+  tokens already streamed (the prefix cache keeps this cheap) and samples the next token with the
+  same sampling state, another decode worker continues; the client sees no gap and no repeat;
+- the store: embeddings travel inline in the Encode reply and the Prefill request instead.
+Internal request ids are made here (unique per deployment, per attempt); a client's id is only
+echoed in the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from epd import discovery, errors, rpc
+from epd.config import RouterConfig
+from epd.metrics import Family, counter, gauge
+from epd.request import FinishReason
+from epd.sampling import SamplingConfig
+from epd.store import EmbeddingStore, StoreUnavailable
+from epd.v1 import epd_pb2
+from epd.wire import sampling_to_proto
+from router_svc.flights import SingleFlight
+from router_svc.prompt import Prompt, PromptBuilder, request_images_proto
+from router_svc.text import TextStream
+
+log = logging.getLogger(__name__)
+
+MAX_RESUMES = 8  # a request moves to another decode worker at most this often
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
+                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets) -> None:
+        self.config = config
+        self.builder = builder
+        self.store = store
+        self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
+        self.encoder, self.prefill, self.decode = encoder, prefill, decode
+        self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
+        self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
+                        "retried_prefills": 0, "inline_images": 0}
+        self.active: set[asyncio.Task] = set()
+        self.refusing = False
+
+    # ---------------------------------------------------------------- health
+
+    def serving(self) -> bool:
+        """Every role this router calls has a replica that takes work."""
+        return not self.refusing and all(t.balancer.num_available() > 0 for t in (self.encoder, self.prefill, self.decode))
+
+    # ---------------------------------------------------------------- the request path
+
+    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
+        if self.refusing:
+            raise errors.Unavailable("router: shutting down; send the request to another router")
+        task = asyncio.current_task()
+        self.active.add(task)
+        try:
+            async for event in self._generate(request, timeout_s):
+                yield event
+        finally:
+            self.active.discard(task)
+
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None):
+        start = time.perf_counter()
+        sampling = self._resolve_sampling(request.sampling)
+        max_pixels = request.max_pixels if request.HasField("max_pixels") else None
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
+                                            request.enable_thinking)
+        self._check_length(len(prompt.token_ids), sampling.max_tokens)
+        deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
+        run = _Run(prompt, sampling, deadline, client_id=request.request_id)
+
+        inline = await self._ensure_embeddings(run, force=False)
+        reply = await self._prefill(run, self._prefill_job(run, inline), inline)
+        run.timings.MergeFrom(_stage_timings(reply))
+        ttft = time.perf_counter() - start
+
+        text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
+        yield _chunk([reply.first_token], text.add([reply.first_token]),
+                     [reply.first_logprobs] if sampling.logprobs else [])
+        finish = reply.finish_reason if reply.finished else ""
+        if text.stopped and not finish:
+            finish = FinishReason.STOP.value
+            await self._release_decode(run.request_id, reply.decode_addr)
+        if not finish:
+            async for event in self._relay(run, reply.decode_addr, text):
+                if isinstance(event, str):
+                    finish = event
+                else:
+                    yield event
+        tail = text.flush()
+        if tail:
+            yield _chunk([], tail, [])
+        self._count(encoded=len(run.encoded), prefix_tokens=reply.cached_tokens)
+        yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
+            request_id=request.request_id or run.request_id,
+            prompt_tokens=len(prompt.token_ids),
+            image_tokens=prompt.num_image_tokens,
+            completion_tokens=len(text.token_ids),
+            finish_reason=finish,
+            ttft_s=ttft,
+            e2e_s=time.perf_counter() - start,
+            images=len(prompt.images),
+            images_encoded=len(run.encoded),
+            seed=sampling.seed,
+            cached_tokens=reply.cached_tokens,
+            # Every distinct image this request did not encode came from a cache: Redis, the
+            # prefill worker's LRU, the prefix cache, or another request's encode it waited on.
+            images_cached=len({image.store_key for image in prompt.images} - run.encoded),
+            timings=run.timings,
+            resumes=run.resumes,
+        ))
+
+    # ---------------------------------------------------------------- steps
+
+    def _resolve_sampling(self, params: epd_pb2.SamplingParams) -> SamplingConfig:
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else self.config.default_max_tokens
+        if max_tokens > self.config.max_tokens_limit:
+            raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
+        temperature = params.temperature if params.HasField("temperature") else 0.0
+        seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
+        return SamplingConfig(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k if params.HasField("top_k") else 0,
+            seed=seed,
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+        )
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens, longer than the context window of {self.max_model_len} tokens"
+            )
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context window of "
+                f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - prompt_len}"
+            )
+
+    async def _ensure_embeddings(self, run: _Run, force: bool) -> dict[str, bytes]:
+        """Make sure prefill can get every image of the prompt: in the store, or (when the store
+        is out of reach, or ``force``) encoded again with the embedding returned inline. Returns
+        the inline embeddings by store key. Keys another request is already encoding are waited
+        on, not sent again (single flight)."""
+        keys = list(dict.fromkeys(image.store_key for image in run.prompt.images))
+        if not keys:
+            return {}
+        want_inline = force
+        if force:
+            missing = keys
+        else:
+            try:
+                present = await asyncio.get_running_loop().run_in_executor(None, self.store.exists_many, keys)
+                missing = [key for key, ok in zip(keys, present) if not ok]
+                self._count(store_hits=len(keys) - len(missing), store_misses=len(missing))
+            except StoreUnavailable:
+                missing, want_inline = keys, True  # the store is down: every image travels inline
+        if not missing:
+            return {}
+        results = await self._encode(run, missing, want_inline)
+        inline = {key: result.embedding for key, result in results.items() if result.embedding}
+        self._count(inline_images=len(inline))
+        return inline
+
+    async def _encode(self, run: _Run, keys: list[str], inline: bool) -> dict[str, epd_pb2.EncodedImage]:
+        first = {}
+        for index, image in enumerate(run.prompt.images):
+            first.setdefault(image.store_key, index)
+        # A forced (inline) encode never joins an ordinary one: it needs the bytes back.
+        led, joined = (keys, {}) if inline else self._flights.claim(keys)
+        results: dict[str, epd_pb2.EncodedImage] = {}
+        if led:
+            results.update(await self._encode_led(run, first, led, inline, single_flight=not inline))
+        for key, future in joined.items():
+            try:
+                results[key] = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the leader's call failed (its deadline, its client left): try ourselves
+                results.update(await self._encode_led(run, first, [key], inline, single_flight=False))
+        for key in keys:
+            self._check_encoded(run.prompt, first[key], results[key])
+        return results
+
+    async def _encode_led(self, run: _Run, first: dict[str, int], led: list[str], inline: bool,
+                          single_flight: bool) -> dict[str, epd_pb2.EncodedImage]:
+        """One Encode call for the keys this request leads; every waiter gets the outcome, and every
+        led key is resolved whatever happens (a waiter must never wait for ever)."""
+        images = run.prompt.images
+        items = [epd_pb2.EncodeItem(store_key=key, data=images[first[key]].data,
+                                    max_pixels=images[first[key]].max_pixels, inline=inline) for key in led]
+        results: dict[str, epd_pb2.EncodedImage] = {}
+        failure: BaseException | None = None
+        try:
+            reply, _ = await self.encoder.call("Encode", epd_pb2.EncodeRequest(items=items), run.remaining())
+            results = {image.store_key: image for image in reply.images}
+            missing = [key for key in led if key not in results]
+            if missing:
+                raise errors.ServiceError(f"encoder: the reply lacks {len(missing)} of {len(led)} images")
+        except BaseException as error:
+            failure = error
+            raise
+        finally:
+            if single_flight:
+                for key in led:
+                    if key in results:
+                        self._flights.resolve(key, result=results[key])
+                    else:
+                        self._flights.resolve(key, error=failure or errors.ServiceError("encoder: no result"))
+        for key in led:
+            run.encoded.add(key)
+            run.timings.encode_s += results[key].encode_s
+            run.timings.store_write_s += results[key].store_write_s
+        return results
+
+    @staticmethod
+    def _check_encoded(prompt: Prompt, index: int, result: epd_pb2.EncodedImage) -> None:
+        if result.error:
+            raise ValueError(f"image {index}: {result.error}")
+        if result.num_tokens != prompt.images[index].info.num_tokens:
+            raise errors.ServiceError(f"image {index}: encoder made {result.num_tokens} tokens, the header "
+                                      f"promised {prompt.images[index].info.num_tokens}")
+
+    def _prefill_job(self, run: _Run, inline: dict[str, bytes], generated: list[int] = ()) -> epd_pb2.PrefillRequest:
+        run.attempt += 1
+        images = request_images_proto(run.prompt)
+        for image in images:
+            image.embedding = inline.get(image.store_key, b"")
+        return epd_pb2.PrefillRequest(
+            request_id=run.request_id,
+            token_ids=[*run.prompt.token_ids, *generated],
+            images=images,
+            sampling=sampling_to_proto(run.sampling),
+            deadline_unix=run.deadline,
+            num_generated=len(generated),
+        )
+
+    async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest, inline: dict[str, bytes]) -> epd_pb2.PrefillResponse:
+        try:
+            reply, _ = await self.prefill.call("Prefill", job, run.remaining())
+            return reply
+        except rpc.RpcFailure as failure:
+            if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        # An embedding went missing between our check and prefill's read (evicted, or the store
+        # became unreachable): encode again with the embeddings inline, and retry once.
+        self._count(retried_prefills=1)
+        inline = await self._ensure_embeddings(run, force=True)
+        generated = list(job.token_ids[len(run.prompt.token_ids):])
+        reply, _ = await self.prefill.call("Prefill", self._prefill_job(run, inline, generated), run.remaining())
+        return reply
+
+    async def _relay(self, run: _Run, decode_addr: str, text: TextStream):
+        """Relay decode's token batches as chunks; yields the finish reason (a str) last. When the
+        decode worker dies, resume elsewhere and go on exactly where the stream stopped."""
+        while True:
+            call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
+                                                             timeout=run.remaining())
+            try:
+                async for batch in call:
+                    delta = text.add(batch.token_ids)
+                    yield _chunk(batch.token_ids, delta, batch.logprobs if run.sampling.logprobs else [])
+                    if text.stopped:
+                        yield FinishReason.STOP.value
+                        return
+                    if batch.finish_reason == FinishReason.ERROR.value:
+                        raise errors.ServiceError("decode failed this request (see the decode log)")
+                    if batch.finish_reason == FinishReason.DEADLINE.value:
+                        raise errors.DeadlineExceeded("request passed its deadline in decode")
+                    if batch.finish_reason:
+                        yield batch.finish_reason
+                        return
+                raise errors.ServiceError("decode stream ended without a finish reason")
+            except grpc.aio.AioRpcError as error:
+                if not (rpc.peer_failed(error) or error.code() is grpc.StatusCode.NOT_FOUND):
+                    raise rpc.RpcFailure.from_rpc_error(error, "decode") from None
+                reply = await self._resume(run, text.token_ids, decode_addr, error)
+            finally:
+                call.cancel()  # a stop string or a departed client frees the decode slot now
+            # The resumed step sampled the next token in prefill; decode goes on from there.
+            yield _chunk([reply.first_token], text.add([reply.first_token]),
+                         [reply.first_logprobs] if run.sampling.logprobs else [])
+            if reply.finished:
+                yield reply.finish_reason
+                return
+            if text.stopped:
+                await self._release_decode(run.request_id, reply.decode_addr)
+                yield FinishReason.STOP.value
+                return
+            decode_addr = reply.decode_addr
+
+    async def _resume(self, run: _Run, generated: list[int], lost_addr: str,
+                      error: grpc.aio.AioRpcError) -> epd_pb2.PrefillResponse:
+        """The decode worker at ``lost_addr`` lost the request (it died, or restarted without it):
+        prefill the prompt plus the ``generated`` tokens (sampling the next one exactly as decode
+        would have) and hand off to another decode worker."""
+        if run.resumes >= MAX_RESUMES:
+            raise errors.Unavailable(f"decode: the request lost its decode worker {run.resumes + 1} times; giving up")
+        run.resumes += 1
+        self._count(resumes=1)
+        log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,
+                    run.request_id, len(generated), error.code().name)
+        run.request_id = uuid.uuid4().hex  # a new id: the old one may linger on a restarted worker
+        return await self._prefill(run, self._prefill_job(run, {}, list(generated)), {})
+
+    async def _release_decode(self, request_id: str, decode_addr: str) -> None:
+        """Claim and drop a handed-off request the router no longer needs (a stop string in the
+        first token), freeing its decode slot now instead of when its lease runs out."""
+        call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10)
+        try:
+            await call.read()  # the claim has reached decode once anything comes back
+        except grpc.aio.AioRpcError:
+            pass  # already gone: nothing to free
+        finally:
+            call.cancel()
+
+    # ---------------------------------------------------------------- metrics
+
+    def _count(self, **deltas: int) -> None:
+        for name, delta in deltas.items():
+            self._counts[name] += delta
+
+    def metrics(self) -> list[Family]:
+        counts = dict(self._counts)
+        families = [
+            counter("epd_embedding_cache_lookups_total", "Router's store checks of request images", "tier", "result")
+            .add(counts["store_hits"], "redis", "hit").add(counts["store_misses"], "redis", "miss"),
+            counter("epd_images_encoded_total", "Images this router had encoded").add(counts["encoded"]),
+            counter("epd_images_inline_total", "Embeddings carried inline because the store was out of reach")
+            .add(counts["inline_images"]),
+            counter("epd_encode_single_flight_joins_total", "Image encodes waited on instead of sent again")
+            .add(self._flights.num_joined),
+            counter("epd_prefix_cache_hit_tokens_total", "Prompt tokens prefill took from its prefix cache")
+            .add(counts["prefix_tokens"]),
+            counter("epd_requests_resumed_total", "Times a request moved to another decode worker after its "
+                    "worker died").add(counts["resumes"]),
+            counter("epd_prefill_retries_total", "Prefills repeated after an embedding went missing")
+            .add(counts["retried_prefills"]),
+            gauge("epd_store_reachable", "1 while the embedding store answers").add(int(self.store.reachable)),
+        ]
+        try:
+            memory = self.store.memory_stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because Redis is briefly away
+            return families
+        return families + [
+            gauge("epd_redis_used_memory_bytes", "Redis used_memory").add(memory["used_memory"]),
+            gauge("epd_redis_max_memory_bytes", "Redis maxmemory (0: no cap)").add(memory["maxmemory"]),
+            gauge("epd_redis_keys", "Keys in the embedding store's Redis database").add(memory["keys"]),
+            counter("epd_redis_evicted_keys_total", "Keys Redis evicted under its memory cap").add(memory["evicted_keys"]),
+        ]
+
+
+class _Run:
+    """One request's progress through the path: what the steps share."""
+
+    def __init__(self, prompt: Prompt, sampling: SamplingConfig, deadline: float, client_id: str) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.deadline = deadline
+        self.client_id = client_id
+        self.request_id = uuid.uuid4().hex  # internal: unique whatever the client sent
+        self.attempt = 0
+        self.resumes = 0
+        self.encoded: set[str] = set()  # store keys this request's encodes produced
+        self.timings = epd_pb2.StageTimings()
+
+    def remaining(self) -> float:
+        return max(0.1, self.deadline - time.time())
+
+
+def _stage_timings(reply: epd_pb2.PrefillResponse) -> epd_pb2.StageTimings:
+    return epd_pb2.StageTimings(store_read_s=reply.store_read_s, prefill_s=reply.prefill_s,
+                                handoff_s=reply.handoff_s, handoff_bytes=reply.handoff_bytes, queue_s=reply.queue_s)
+
+
+def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:
+    return epd_pb2.GenerateResponse(chunk=epd_pb2.TokenChunk(token_ids=list(token_ids), text=text, logprobs=list(logprobs)))
