@@ -95,7 +95,7 @@ class PrefillEngine:
 
     def run(self, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
         """Prefill one prompt and sample its next token, blocking until it is done."""
-        job = self.submit(self._prepare(request))
+        job = self.submit(self.prepare(request))
         job.done.result()
         return self._result(job, request, sampling)
 
@@ -104,7 +104,7 @@ class PrefillEngine:
         scheduler thread; if the caller is cancelled (its client went away), the prompt leaves
         the queue, or stops at its next chunk edge if it is running."""
         loop = asyncio.get_running_loop()
-        job = self.submit(await loop.run_in_executor(None, self._prepare, request))
+        job = self.submit(await loop.run_in_executor(None, self.prepare, request))
         try:
             await asyncio.wrap_future(job.done)
         except asyncio.CancelledError:
@@ -148,7 +148,7 @@ class PrefillEngine:
             cached_tokens=job.cached_tokens,
         )
 
-    def _prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
+    def prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
         """Validate; find the cached prefix; build the embeddings and positions of the rest."""
         token_ids = list(request.token_ids)
         if not token_ids:

@@ -225,3 +225,47 @@ def test_a_cancel_during_admission_is_not_lost(runner, tiny_model_dir, monkeypat
     finally:
         release.set()
         engine.stop()
+
+
+def test_a_request_whose_logits_go_bad_fails_alone(runner, tiny_model_dir):
+    """Non-finite logits in one row (a numerical blow-up in that request's state) end that request
+    with an error; the request decoding beside it in the same batch goes on, its tokens unchanged."""
+    info = ModelInfo.load(tiny_model_dir)
+    vocab = runner.lm_head_weight.shape[0]
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 15)]
+    prefilled = []
+    for ids in prompts:
+        pos, rope_delta = positions.mrope_positions(len(ids), [])
+        state = runner.new_state()
+        first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
+        prefilled.append((len(ids), rope_delta, first, state))
+    alone = DecodeEngine(runner, info.eos_token_ids, DecodeConfig())
+    try:
+        expected = _run_one(alone, "alone", prefilled[1], max_tokens=12)
+    finally:
+        alone.stop()
+    poisoned = prefilled[0][3].clone()
+    layer = next(i for i, t in enumerate(poisoned.recurrent) if t is not None)
+    poisoned.recurrent[layer].fill_(float("nan"))
+    engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig())
+    try:
+        bad, good = queue.Queue(), queue.Queue()
+        engine.submit("bad", *prefilled[0][:3], SamplingConfig(max_tokens=12, ignore_eos=True), poisoned, 0)
+        engine.submit("good", *prefilled[1][:3], SamplingConfig(max_tokens=12, ignore_eos=True),
+                      prefilled[1][3].clone(), 0)
+        engine.claim("bad", bad.put)
+        engine.claim("good", good.put)
+        assert _drain(bad) == ([], FinishReason.ERROR)
+        assert _drain(good) == (expected, FinishReason.LENGTH)
+    finally:
+        engine.stop()
+
+
+def _run_one(engine, request_id, prefilled, max_tokens):
+    prompt_len, rope_delta, first, state = prefilled
+    events: queue.Queue = queue.Queue()
+    engine.submit(request_id, prompt_len, rope_delta, first, SamplingConfig(max_tokens=max_tokens, ignore_eos=True),
+                  state.clone(), 0)
+    engine.claim(request_id, events.put)
+    tokens, _ = _drain(events)
+    return tokens

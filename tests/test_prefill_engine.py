@@ -201,3 +201,94 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_one(oracle, info, redis_url, 
     run("short", short_case)
     long_thread.join()
     assert finished["short"] < finished["long"]
+
+
+@pytest.mark.parametrize("messages", [user("What is in this picture?", SQUARE), user("Hello! Who are you?"),
+                                      user("Compare the two pictures.", SQUARE, WIDE)], ids=["image", "text", "two"])
+def test_a_resumed_request_continues_exactly_where_it_stopped(oracle, info, redis_url, runner, make_engine, messages):
+    """A decode worker died after ``k`` tokens: prefill runs the prompt plus those tokens (the
+    prefix cache holds the prompt) and samples token ``k`` as decode would have; decode then goes
+    on. Token for token what transformers' generate gives without any interruption."""
+    engine = make_engine(chunk_tokens=64, prefix_block_size=16, snapshot_every_blocks=4)
+    case = Case(oracle, info, redis_url, messages, max_new_tokens=24)
+    engine.run(case.request(), GREEDY)  # the original request: its prompt is now in the prefix cache
+    for k in (1, 5, 17):
+        request = case.request()
+        request.token_ids.extend(case.expected[:k])
+        request.num_generated = k
+        result = engine.run(request, GREEDY)
+        assert result.first_token == case.expected[k]
+        assert result.cached_tokens > 0  # the prompt was not computed again
+        tokens, state = [result.first_token], result.state
+        for step in range(len(case.expected) - k - 1):
+            pos = positions.decode_position(len(request.token_ids), step, result.rope_delta)
+            hidden = runner.forward(runner.embed(torch.tensor([tokens[-1]])), torch.full((3, 1), pos), state)
+            tokens.append(int(torch.argmax(runner.logits(hidden))))
+        assert case.expected[:k] + tokens == case.expected
+
+
+def test_a_resumed_request_that_reaches_max_tokens_finishes_in_prefill(oracle, info, redis_url, make_engine):
+    engine = make_engine()
+    case = Case(oracle, info, redis_url, user("Hi"), max_new_tokens=6)
+    request = case.request()
+    request.token_ids.extend(case.expected[:5])
+    request.num_generated = 5
+    result = engine.run(request, SamplingConfig(max_tokens=6, ignore_eos=True))
+    assert result.first_token == case.expected[5] and result.finish_reason.value == "length"
+
+
+def test_inline_embeddings_need_no_store_and_an_unreachable_store_asks_for_them(oracle, info, tiny_model_dir,
+                                                                               runner, make_engine, tmp_path):
+    """With the store down, prefill fails fast with FAILED_PRECONDITION (the router then sends the
+    embeddings inline); with them inline it needs no store at all and matches transformers."""
+    from epd import errors
+    from epd.store import encode_value
+
+    down = EmbeddedRedis(max_memory_mb=16, directory=str(tmp_path))
+    case = Case(oracle, info, down.url, user("Inline?", WIDE))
+    values = {ref.store_key: EmbeddingStore(down.url).get_many([ref.store_key])[0] for ref in case.refs}
+    down.stop()
+    engine = PrefillEngine(runner, info, EmbeddingStore(down.url), PrefillConfig(embedding_cache_mb=0))
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="out of reach"):
+            engine.run(case.request(), GREEDY)
+        request = case.request()
+        for ref in request.images:
+            ref.embedding = encode_value(ref.store_key, values[ref.store_key])
+        assert_matches_oracle(runner, case, engine.run(request, GREEDY))
+        bad = case.request()
+        bad.images[0].embedding = b"EPDE not really"
+        with pytest.raises(ValueError, match="inline embedding"):
+            engine.run(bad, GREEDY)
+    finally:
+        engine.stop()
+
+
+def test_a_cancelled_prompt_leaves_the_queue_and_stop_fails_what_waits(oracle, info, redis_url, make_engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from epd import errors
+
+    engine = make_engine(chunk_tokens=32, prefix_cache_mb=0)
+    long_case = Case(oracle, info, redis_url, user("word " * 1500), max_new_tokens=1)
+    short_case = Case(oracle, info, redis_url, user("Hi"), max_new_tokens=1)
+    running = engine.submit(engine.prepare(long_case.request()))
+    while running.started_at is None:
+        time.sleep(0.001)
+    queued = engine.submit(engine.prepare(short_case.request()))
+    waiting = engine.submit(engine.prepare(short_case.request()))
+    engine.cancel(queued)
+    with pytest.raises(errors.Cancelled):
+        queued.done.result(timeout=5)
+    engine.cancel(running)  # stops at its next chunk edge, long before its ~1500 tokens are done
+    with pytest.raises(errors.Cancelled):
+        running.done.result(timeout=30)
+    assert engine.num_cancelled == {"queued": 1, "running": 1}
+    waiting.done.result(timeout=30)  # the others are unaffected
+    with ThreadPoolExecutor(1) as pool:
+        engine.submit(engine.prepare(long_case.request()))
+        blocked = pool.submit(engine.run, short_case.request(), GREEDY)
+        time.sleep(0.2)
+        engine.stop()
+        with pytest.raises(errors.Unavailable, match="shutting down"):
+            blocked.result(timeout=15)  # failed, not left waiting for ever
