@@ -86,7 +86,9 @@ class Machine:
 
     def command(self, *args: str, cwd: str | Path = "/root") -> list[str]:
         """``args`` run inside the machine, in directory ``cwd`` (as the machine sees it)."""
-        return ["nsenter", "-t", str(self.init_pid), "-m", "-n", "-p", "-u", f"--wd={cwd}", "--", *args]
+        # (nsenter's own --wd opens the directory before entering the mount namespace)
+        return ["nsenter", "-t", str(self.init_pid), "-m", "-n", "-p", "-u", "--",
+                "sh", "-c", 'cd "$0" && exec "$@"', str(cwd), *args]
 
     def run(self, *args: str, env: dict | None = None, cwd: str | Path = "/root", timeout: float = 600,
             check: bool = False) -> subprocess.CompletedProcess:
