@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ DEPLOY = (
     " --redis redis://:$REDIS_PASSWORD@{head}:6380/0 --encoders 2 --prefill 1 --decode 1 --router-port 50051"
     " --config /opt/epd/src/deploy/roles-onprem.toml\"")
 EPD_STATUS = "ray exec deploy/onprem.yaml 'epd status --address {head}:6379'"
+DASHBOARD = "ray dashboard deploy/onprem.yaml"  # runs until stopped: an SSH port forward
 GENERATE = "epd generate --addr {head}:50051 --prompt \"What is in this picture?\" --image cat.png --max-tokens 32 --json"
 EPD_DOWN = "ray exec deploy/onprem.yaml 'epd down --address {head}:6379'"
 REDIS_STOP = (
@@ -60,7 +62,7 @@ REDIS_STOP = (
     " password=\\\"$REDIS_PASSWORD\\\").shutdown(nosave=True)'\"")
 DOWN = "ray down -y deploy/onprem.yaml"
 STOP_WORKERS = "for ip in {workers}; do ssh -i ~/.ssh/id_ed25519 {user}@$ip /opt/epd/venv/bin/ray stop; done"
-WALK = [TOKEN, UP, RAY_STATUS, REDIS_START, DEPLOY, EPD_STATUS, GENERATE, EPD_DOWN, REDIS_STOP, DOWN, STOP_WORKERS]
+WALK = [TOKEN, UP, RAY_STATUS, REDIS_START, DEPLOY, EPD_STATUS, DASHBOARD, GENERATE, EPD_DOWN, REDIS_STOP, DOWN, STOP_WORKERS]
 DOC = {"head": "10.0.0.10", "workers": "10.0.0.11 10.0.0.12", "user": "epd", "model": "/opt/epd/models/qwen3.5-0.8b"}
 
 
@@ -232,6 +234,34 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
         out = client.run("python", "-c", probe, env=env, timeout=60)
         assert out.stdout.split("\n")[:2] == ["dashboard closed", "redis wants a password"], out.stdout + out.stderr
 
+        # The dashboard, through `ray dashboard`'s SSH forward to the workstation's localhost.
+        t0 = time.monotonic()
+        log = open(client.root / "ray-dashboard.log", "w")
+        forward = subprocess.Popen(client.command("bash", "-c", DASHBOARD.format(**values), cwd="/root/epd"),
+                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        log.close()
+        fetch = ("import urllib.request, urllib.error\n"
+                 "try:\n    print(urllib.request.urlopen('http://127.0.0.1:8265/api/version', timeout=5).status)\n"
+                 "except urllib.error.HTTPError as error:\n    print(error.code)\n"
+                 "except OSError as error:\n    print('unreachable', error)\n")
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                out = client.run("python", "-c", fetch, env=env, timeout=60)
+                if out.stdout.strip().isdigit():
+                    break
+                assert forward.poll() is None, (client.root / "ray-dashboard.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, out.stdout + (client.root / "ray-dashboard.log").read_text()
+                time.sleep(1)
+            dashboard_status = int(out.stdout.strip())
+        finally:
+            os.killpg(forward.pid, signal.SIGTERM)
+            forward.wait(timeout=30)
+        timings[DASHBOARD] = time.monotonic() - t0
+        transcript.append(f"$ {DASHBOARD.format(**values)} &  -> /api/version answered {dashboard_status}")
+        assert dashboard_status in (200, 401), dashboard_status
+
         # Answers from the workstation, token for token what transformers gives.
         out = step(GENERATE)
         result = _json_line(out.stdout)
@@ -273,3 +303,4 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
         for name, seconds in timings.items():
             print(f"  {seconds:6.1f} s  {name[:110]}")
     print(f"  Ray processes left on the worker by `ray down` alone: {left_on_worker}")
+    print(f"  dashboard through the SSH forward answered /api/version with HTTP {dashboard_status}")
