@@ -108,15 +108,18 @@ class Machine:
         return found
 
     def ray_processes(self) -> list[str]:
-        """Command lines of this machine's processes that belong to Ray."""
+        """This machine's Ray processes, told apart the way `ray stop` does (Ray's own list of
+        process names and command-line keywords), as "pid: command line"."""
+        from ray.autoscaler._private.constants import RAY_PROCESSES
+
         rows = []
         for proc in self.processes():
             try:
-                cmd = " ".join(proc.cmdline()) or proc.name()
+                name, cmd = proc.name(), " ".join(proc.cmdline())
             except psutil.Error:
                 continue
-            if "ray" in cmd.replace("rayup", "").replace("ray_bootstrap", "") and "sshd" not in cmd:
-                rows.append(f"{proc.pid}: {cmd[:200]}")
+            if any((keyword in name[:15]) if by_name else (keyword in cmd) for keyword, by_name in RAY_PROCESSES):
+                rows.append(f"{proc.pid}: {(cmd or name)[:200]}")
         return rows
 
     def read(self, pattern: str) -> str:
