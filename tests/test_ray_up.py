@@ -42,7 +42,7 @@ ROUTER_PORT = 50051
 
 # The on-premises walk-through, in order, as docs/DEPLOY.md shows it with the values of DOC.
 # Each runs in bash on the workstation, in the clone's root, with REDIS_PASSWORD in the env.
-TOKEN = "ray get-auth-token --generate"
+TOKEN = "ray get-auth-token --generate && chmod 600 ~/.ray/auth_token"
 UP = "ray up -y deploy/onprem.yaml"
 RAY_STATUS = "ray exec deploy/onprem.yaml 'ray status'"
 REDIS_START = (
@@ -200,6 +200,11 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
             assert time.monotonic() < deadline, f"the worker never joined:\n{out.stdout[-3000:]}{diagnostics()}"
             time.sleep(3)
         timings["worker joined after ray up"] = time.monotonic() - started
+        # Both nodes hold the workstation's token, private to the SSH user.
+        token = (client.home / ".ray" / "auth_token").read_text()
+        for machine in (head, worker):
+            path = machine.home / ".ray" / "auth_token"
+            assert path.read_text() == token and oct(path.stat().st_mode & 0o777) == "0o600", machine.name
         # (and the process census the end relies on sees both nodes' Ray)
         assert head.ray_processes() and worker.ray_processes(), "ray status counts two nodes but a host runs no Ray"
 
