@@ -218,9 +218,15 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
                    if line.startswith("epd ready at ")]
         assert routers == [f"{head.ip}:{ROUTER_PORT}"], out.stdout[-3000:]
 
-        # epd status shows the placement: routers on the head, the rest on the worker.
-        out = step(EPD_STATUS)
-        rows = re.findall(r"^(\w+)\s+(\S+)\s+node\s+(\S+)", out.stdout.replace("\r", ""), flags=re.M)
+        # epd status shows the placement: routers on the head, the rest on the worker. Its node
+        # column comes from Ray's state API, which can lag a just-started actor ("?"): ask again.
+        deadline = time.monotonic() + 60
+        while True:
+            out = step(EPD_STATUS)
+            rows = re.findall(r"^(\w+)\s+(\S+)\s+node\s+(\S+)", out.stdout.replace("\r", ""), flags=re.M)
+            if all(node != "?" for _, _, node in rows) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         where = {role: set() for role in ("encoder", "encode", "prefill", "decode", "router")}
         for role, _name, node in rows:
             where.setdefault(role, set()).add(node)
