@@ -31,6 +31,9 @@ from pathlib import Path
 import psutil
 
 VENV = Path(sys.executable).parent.parent  # the environment running the tests: prepared, complete
+# What every machine must still see of the real filesystem: that environment, the interpreter it
+# was made from, and the checkout its epd is installed from.
+SHARED = [VENV, Path(os.path.realpath(VENV / "bin" / "python")), Path(__file__).resolve().parent.parent]
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -51,7 +54,8 @@ def missing_tools() -> list[str]:
 
 def install_tools() -> str:
     """Installs OpenSSH's server and rsync from the distribution's packages when missing; returns
-    why they cannot be had ('' when everything is there)."""
+    why they cannot be had ('' when everything is there). (Where an init system runs services,
+    the package also starts the machine's own sshd: the package's doing, not used here.)"""
     if not missing_tools():
         return ""
     if not shutil.which("apt-get"):
@@ -69,6 +73,9 @@ def install_tools() -> str:
 
 
 class Machine:
+    """One machine: a network namespace (``ns``, address ``ip``) and, once started, a PID, mount
+    and UTS namespace whose first process is sshd (a host) or a sleep (the workstation)."""
+
     def __init__(self, lan: "Lan", name: str, ip: str) -> None:
         self.lan, self.name, self.ip = lan, name, ip
         self.ns = f"{lan.prefix}{name[0]}"
@@ -141,18 +148,14 @@ class Machine:
     def _script(self, sshd: bool) -> str:
         """What the machine's first process runs: its mounts, then sshd (or a sleep)."""
         steps = ["set -e"]
-        # The interpreter the environment was made from may live in the real home (pyenv):
-        # keep it visible under the machine's own home.
-        base = Path(os.path.realpath(VENV / "bin" / "python"))
-        keep = [p for p in (Path("/root/.pyenv"),) if p in base.parents]
-        for path in keep:
-            target = self.home / path.relative_to("/root")
-            target.mkdir(parents=True, exist_ok=True)
-            steps.append(f"mount --bind {path} {target}")
-        steps += [
-            f"mount --rbind {self.home} /root",
-            f"mount --bind {self.root / 'opt'} /opt",
-        ]
+        # /root and /opt become the machine's own; what the test's environment needs from under
+        # them (pyenv's interpreter in /root, say) stays visible through a bind mount.
+        private = {Path("/root"): self.home, Path("/opt"): self.root / "opt"}
+        for target, mine in private.items():
+            for top in sorted({target / p.relative_to(target).parts[0] for p in SHARED if target in p.parents}):
+                (mine / top.name).mkdir(parents=True, exist_ok=True)
+                steps.append(f"mount --rbind {top} {mine / top.name}")
+        steps += [f"mount --rbind {mine} {target}" for target, mine in private.items()]
         if sshd:
             steps += [
                 "mkdir -p /opt/epd/venv",

@@ -77,10 +77,13 @@ def test_deploy_md_walks_the_tested_sequence():
         position = found + len(line)
 
 
-def _substituted_cluster_file(head: str, worker: str) -> tuple[str, dict]:
-    """deploy/onprem.yaml as shipped, with only what a user must change changed (text edits, so
-    comments and layout stay), and the edits the YAML should show."""
-    text = (REPO / "deploy" / "onprem.yaml").read_text()
+def _substituted_cluster_file(head: str, worker: str) -> str:
+    """deploy/onprem.yaml as shipped with only what a user must change changed: text edits, so
+    comments and layout stay; checked on the parsed YAML too."""
+    import yaml
+
+    shipped = (REPO / "deploy" / "onprem.yaml").read_text()
+    text = shipped
     edits = [
         ("head_ip: 10.0.0.10", f"head_ip: {head}"),
         ("worker_ips: [10.0.0.11, 10.0.0.12]", f"worker_ips: [{worker}]"),
@@ -90,7 +93,13 @@ def _substituted_cluster_file(head: str, worker: str) -> tuple[str, dict]:
     for old, new in edits:
         assert text.count(old) == 1, f"deploy/onprem.yaml no longer has exactly one `{old}`"
         text = text.replace(old, new)
-    return text, {"head": head, "worker": worker}
+    expected = yaml.safe_load(shipped)
+    expected["provider"].update(head_ip=head, worker_ips=[worker])
+    expected["auth"]["ssh_user"] = "root"
+    del expected["file_mounts"]["/opt/epd/models/qwen3.5-0.8b"]
+    expected["file_mounts"]["/opt/epd/models/tiny"] = "./models/tiny"
+    assert yaml.safe_load(text) == expected
+    return text
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -158,8 +167,7 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
     # keys in known_hosts; the test's venv is its Python environment (first on PATH, as activated).
     clone = client.home / "epd"
     _copy_checkout(clone)
-    text, _ = _substituted_cluster_file(head.ip, worker.ip)
-    (clone / "deploy" / "onprem.yaml").write_text(text)
+    (clone / "deploy" / "onprem.yaml").write_text(_substituted_cluster_file(head.ip, worker.ip))
     shutil.copytree(tiny_model_dir, clone / "models" / "tiny")
     square = make_image(448, 448, seed=1)
     (clone / "cat.png").write_bytes(square)
