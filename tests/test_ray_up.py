@@ -55,15 +55,18 @@ DEPLOY = (
     " --config /opt/epd/src/deploy/roles-onprem.toml\"")
 EPD_STATUS = "ray exec deploy/onprem.yaml 'epd status --address {head}:6379'"
 DASHBOARD = "ray dashboard deploy/onprem.yaml"  # runs until stopped: an SSH port forward
-GENERATE = "epd generate --addr {head}:50051 --prompt \"What is in this picture?\" --image cat.png --max-tokens 32 --json"
+GENERATE = ("epd generate --addr {head}:50051 --prompt \"What is in this picture?\" --image cat.png"
+            " --max-tokens 32 --json")
 EPD_DOWN = "ray exec deploy/onprem.yaml 'epd down --address {head}:6379'"
 REDIS_STOP = (
     "ray exec deploy/onprem.yaml \"python -c 'import redis; redis.Redis(host=\\\"{head}\\\", port=6380,"
     " password=\\\"$REDIS_PASSWORD\\\").shutdown(nosave=True)'\"")
 DOWN = "ray down -y deploy/onprem.yaml"
 STOP_WORKERS = "for ip in {workers}; do ssh -i ~/.ssh/id_ed25519 {user}@$ip /opt/epd/venv/bin/ray stop; done"
-WALK = [TOKEN, UP, RAY_STATUS, REDIS_START, DEPLOY, EPD_STATUS, DASHBOARD, GENERATE, EPD_DOWN, REDIS_STOP, DOWN, STOP_WORKERS]
-DOC = {"head": "10.0.0.10", "workers": "10.0.0.11 10.0.0.12", "user": "epd", "model": "/opt/epd/models/qwen3.5-0.8b"}
+WALK = [TOKEN, UP, RAY_STATUS, REDIS_START, DEPLOY, EPD_STATUS, DASHBOARD, GENERATE, EPD_DOWN, REDIS_STOP, DOWN,
+        STOP_WORKERS]
+DOC = {"head": "10.0.0.10", "workers": "10.0.0.11 10.0.0.12", "user": "epd",
+       "model": "/opt/epd/models/qwen3.5-0.8b"}
 
 
 def test_deploy_md_walks_the_tested_sequence():
