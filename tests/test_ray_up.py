@@ -158,7 +158,7 @@ def lan(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
-    from epd.synthetic import make_image
+    from bench.synthetic import make_image
     from tests.ssh_hosts import VENV
 
     started = time.monotonic()
