@@ -53,6 +53,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--max-tokens-limit", "serve.router.max_tokens_limit"),
     _flag("--default-max-tokens", "serve.router.default_max_tokens"),
     _flag("--request-timeout-s", "serve.router.request_timeout_s"),
+    _flag("--max-queued-requests", "serve.router.max_queued_requests"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 
 from epd import rpc
-from epd.config import DeployConfig
+from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class LocalStack:
         try:
             store.ping()
         except Exception as error:
-            raise RuntimeError(f"cannot reach Redis at {self.redis_url}: {error}") from None
+            raise RuntimeError(f"cannot reach Redis at {redact_url(self.redis_url)}: {error}") from None
         finally:
             store.close()
 

@@ -27,6 +27,17 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ConfigError(f"{name}: {message}")
 
 
+def redact_url(url: str | None) -> str:
+    """``url`` with any password replaced by ***: secrets never reach a log or an error message."""
+    if not url:
+        return str(url)
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
+
+
 def _check_range(value: float, low: float, high: float, name: str) -> None:
     _check(low <= value <= high, name, f"must be in [{low:g}, {high:g}], got {value}")
 
@@ -47,7 +58,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-               "store.redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+               "store.redis_url", f"must start with redis://, rediss:// or unix://, got {redact_url(self.redis_url)!r}")
         _check_range(self.ttl_s, 1, 30 * 86400, "store.ttl_s")
         _check_range(self.max_memory_mb, 16, 1 << 20, "store.max_memory_mb")
 
@@ -141,9 +152,13 @@ class RouterConfig:
     """A request still running after this many seconds is abandoned with DEADLINE_EXCEEDED."""
     metrics_port: int = 0
     """Port of the router's Prometheus /metrics endpoint; 0 turns it off."""
+    max_queued_requests: int = 0
+    """Requests one router lets wait (accepted, first token not yet streamed) before it refuses
+    more with RESOURCE_EXHAUSTED; 0: no limit. Requests resumed after a decode worker died always pass."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
+        _check_range(self.max_queued_requests, 0, 1 << 20, "router.max_queued_requests")
         _check_range(self.max_tokens_limit, 1, 1 << 20, "router.max_tokens_limit")
         _check_range(self.default_max_tokens, 1, self.max_tokens_limit, "router.default_max_tokens")
         _check_range(self.max_model_len, 0, 1 << 24, "router.max_model_len")
@@ -152,9 +167,30 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call what. Secrets are never printed: repr hides them and nothing logs them."""
+
+    api_key: str = field(default="", repr=False)
+    """Key the public fronts (gRPC Router, HTTP) require as `authorization: Bearer KEY`; empty:
+    open. epd serve/deploy also read it from EPD_API_KEY."""
+    internal_token: str = field(default="", repr=False)
+    """Secret every call between roles carries (metadata `x-epd-internal`); internal services
+    refuse calls without it. epd serve/deploy make a fresh one per deployment unless given."""
+
+    def __post_init__(self) -> None:
+        _check(not self.api_key or (len(self.api_key) >= 8 and self.api_key.isprintable() and " " not in self.api_key),
+               "security.api_key", "must be at least 8 printable characters without spaces")
+        _check(not self.internal_token or len(self.internal_token) >= 16, "security.internal_token",
+               "must be at least 16 characters")
+        _check(not (self.api_key and self.api_key == self.internal_token), "security.internal_token",
+               "must differ from the public API key")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model_dir: str
     """Hugging Face Qwen3.5 checkpoint directory (config.json with model_type qwen3_5)."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)

@@ -248,7 +248,7 @@ def test_inline_embeddings_need_no_store_and_an_unreachable_store_asks_for_them(
     case = Case(oracle, info, down.url, user("Inline?", WIDE))
     values = {ref.store_key: EmbeddingStore(down.url).get_many([ref.store_key])[0] for ref in case.refs}
     down.stop()
-    engine = PrefillEngine(runner, info, EmbeddingStore(down.url), PrefillConfig(embedding_cache_mb=0))
+    engine = PrefillEngine(runner, info, EmbeddingStore(down.url), PrefillConfig(embedding_cache_mb=0, prefix_cache_mb=0))
     try:
         with pytest.raises(errors.FailedPrecondition, match="out of reach"):
             engine.run(case.request(), GREEDY)
@@ -286,8 +286,10 @@ def test_a_cancelled_prompt_leaves_the_queue_and_stop_fails_what_waits(oracle, i
     assert engine.num_cancelled == {"queued": 1, "running": 1}
     waiting.done.result(timeout=30)  # the others are unaffected
     with ThreadPoolExecutor(1) as pool:
-        engine.submit(engine.prepare(long_case.request()))
-        blocked = pool.submit(engine.run, short_case.request(), GREEDY)
+        first = engine.submit(engine.prepare(long_case.request()))
+        while first.started_at is None:
+            time.sleep(0.001)
+        blocked = pool.submit(engine.run, long_case.request(), GREEDY)  # waits: the first one has less left
         time.sleep(0.2)
         engine.stop()
         with pytest.raises(errors.Unavailable, match="shutting down"):

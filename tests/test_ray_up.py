@@ -194,7 +194,7 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
         return out
 
     def diagnostics() -> str:
-        return (f"\n--- transcript\n" + "\n".join(transcript)
+        return ("\n--- transcript\n" + "\n".join(transcript)
                 + f"\n--- head monitor log\n{head.read('/tmp/ray/session_latest/logs/monitor.*')}"
                 + f"\n--- worker raylet log\n{worker.read('/tmp/ray/session_latest/logs/raylet.out')}")
 
