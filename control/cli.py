@@ -465,6 +465,9 @@ def _cmd_status(args) -> int:
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}")
+    for entry in status.get("unplaced", []):
+        print(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
+              f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
     for event in status["events"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""

@@ -34,7 +34,7 @@ import ray
 from grpc_health.v1 import health_pb2
 
 from control.autoscale import AutoscalePolicy, Decision
-from control.fleet import Fleet, Probe
+from control.fleet import Fleet, Probe, unplaced
 from epd import discovery, rpc
 from epd.config import ROLES, DeployConfig
 
@@ -62,7 +62,7 @@ class Controller:
         self.config = config
         self.registry = ray.remote(discovery.Registry).options(
             name=discovery.REGISTRY_NAME, lifetime="detached", get_if_exists=True, max_restarts=-1,
-            max_task_retries=-1, num_cpus=0).remote()
+            max_task_retries=-1, num_cpus=0, scheduling_strategy=_here()).remote()
         self.fleet = Fleet()
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         self._desired = {role: config.replicas(role) for role in ROLES}
@@ -72,6 +72,7 @@ class Controller:
         self._stop = threading.Event()
         self._probes = ThreadPoolExecutor(8, thread_name_prefix="probe")
         self.decisions: list[dict] = []
+        self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
         self._adopt()
         self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
@@ -128,16 +129,20 @@ class Controller:
         registered = {e.name: e for e in self._endpoints()}
         with self._lock:
             replicas = list(self.fleet.replicas.values())
+        waiting = {name for entry in self.unplaced if entry["count"] == len(entry["replicas"])
+                   for name in entry["replicas"]}
         for replica in replicas:
             e = registered.get(replica.name)
+            state = "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
-                "state": "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"})
+                "state": "unplaced" if replica.name in waiting else state})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
                   for role in ROLES}
         return {"namespace": self.config.namespace, "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
+                "unplaced": list(self.unplaced),
                 "autoscale": {"enabled": self.config.autoscale.enabled,
                               "min_replicas": self.config.autoscale.min_replicas,
                               "max_replicas": self.config.autoscale.max_replicas},
@@ -191,8 +196,12 @@ class Controller:
         cfg = self.config
         # Detached: a replica outlives the controller (serving goes on while it is away). Ray
         # restarts a dead process; callers retry elsewhere, so Ray must not retry tasks on it.
+        # SPREAD: Ray's default policy packs zero-CPU actors onto the first node that has their
+        # custom resources, so every replica of every role sat on one worker and losing that
+        # machine lost them all; SPREAD deals them out over the nodes that offer the resources.
         options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name,
-                   "lifetime": "detached", "max_restarts": MAX_RESTARTS, "max_task_retries": 0}
+                   "lifetime": "detached", "max_restarts": MAX_RESTARTS, "max_task_retries": 0,
+                   "scheduling_strategy": "SPREAD"}
         context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
                                         poll_s=cfg.poll_s)
         return ray.remote(cls).options(**options).remote(cfg.serve, context)
@@ -311,7 +320,38 @@ class Controller:
                     self._fill(role)
                 finally:
                     self._role_locks[role].release()
+        self._find_unplaced()
         self.metrics.refresh()
+
+    def _find_unplaced(self) -> None:
+        """While replicas are not serving, ask Ray's GCS what it cannot place (a lost machine was
+        the only one offering a role's resources, or the remaining ones have them all in use) and
+        say so in the log and ``epd status``. Ray keeps such a replica pending and places it when
+        a node offers the resources; nothing else would tell the user it waits."""
+        with self._lock:
+            waiting = {role: [r.name for r in self.fleet.replicas.values() if r.role == role and not r.healthy]
+                       for role in ROLES}
+        found: list[dict] = []
+        if any(waiting.values()):
+            try:
+                found = unplaced(_pending_demands(), {role: self._shape(role) for role in ROLES}, waiting,
+                                 [n["Resources"] for n in ray.nodes() if n["Alive"]])
+            except Exception as error:  # noqa: BLE001 - a report only; try again next round
+                log.warning("cannot read Ray's pending demands: %s", error)
+                return
+        if found != self.unplaced:
+            for entry in found:
+                log.warning("%s: %d replica(s) cannot be placed (of %s, not serving): %s", "/".join(entry["roles"]),
+                            entry["count"], ", ".join(entry["replicas"]), entry["reason"])
+            if not found:
+                log.info("every replica is placed")
+            self.unplaced = found
+
+    def _shape(self, role: str) -> dict[str, float]:
+        """What one replica of ``role`` asks Ray for, as Ray's pending demands spell it."""
+        resources = self.config.role_resources(role)
+        return {**({"CPU": resources.num_cpus} if resources.num_cpus else {}),
+                **({"GPU": resources.num_gpus} if resources.num_gpus else {}), **resources.resources}
 
     def _probe(self, name: str, handle, endpoint: discovery.Endpoint | None) -> Probe:
         """The serving path where there is one (gRPC health), else a call through Ray; when that
@@ -363,6 +403,14 @@ class Controller:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
 
 
+def _pending_demands() -> list[tuple[dict[str, float], int]]:
+    """What Ray's GCS has not placed yet, as it reports it to an autoscaler: (shape, count)."""
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+    state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
+    return [(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
+
+
 def _seq_of(name: str) -> int:
     return int(name.rsplit("-", 1)[1])
 
@@ -382,6 +430,9 @@ class _Metrics:
         self._events = prom.Gauge("epd_replica_events", "Replica life events since the controller started, by "
                                   "kind (died, restarted, replaced, unhealthy, recovered)", ["role", "kind"],
                                   registry=self.registry)
+        self._unplaced = prom.Gauge("epd_replicas_unplaced", "Replicas Ray cannot place now (no alive node has "
+                                    "their resources free); a role sharing its resource shape with another "
+                                    "counts them too", ["role"], registry=self.registry)
         self._desired = prom.Gauge("epd_encoder_replicas_desired", "Encoder replicas the load asks for",
                                    registry=self.registry)
         self._queued = prom.Gauge("epd_encoder_images_in_flight", "Images queued or running at the encoders",
@@ -398,6 +449,7 @@ class _Metrics:
             self._healthy.labels(role=role).set(fleet.healthy_count(role))
             for kind in ("died", "restarted", "replaced", "unhealthy", "recovered"):
                 self._events.labels(role=role, kind=kind).set(fleet.count(role, kind))
+            self._unplaced.labels(role=role).set(sum(e["count"] for e in self.controller.unplaced if role in e["roles"]))
 
     def observe(self, decision: Decision, desired: int) -> None:
         self._desired.set(desired)
@@ -416,10 +468,22 @@ class _Metrics:
 
 def controller_options(namespace: str, detached: bool) -> dict:
     options = {"name": CONTROLLER_NAME, "namespace": namespace, "num_cpus": 0, "max_concurrency": 16,
-               "max_restarts": -1}
+               "max_restarts": -1, "scheduling_strategy": _here()}
     if detached:
         options["lifetime"] = "detached"
     return options
+
+
+def _here():
+    """The control plane (controller, registry) stays on the node that deployed it: the head,
+    where docs/DEPLOY.md runs `epd deploy`. Left to Ray, these zero-resource actors land on any
+    node, a worker included (seen in tests/test_node_loss.py), and losing that machine would take
+    the controller and the registry along with its replicas. Hard affinity: Ray's soft node
+    affinity placed them on other nodes too; the price is that they cannot move if that node is
+    lost, which for the head means the cluster (Ray's GCS) is lost anyway."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def create_controller(config: DeployConfig, detached: bool) -> ray.actor.ActorHandle:

@@ -118,3 +118,39 @@ class Fleet:
     def _event(self, now: float, replica: Replica, kind: str, seconds: float = 0.0, detail: str = "") -> None:
         self.events.append(Event(time.time(), replica.role, replica.name, kind, round(seconds, 3), detail))
         self.counts[(replica.role, kind)] += 1
+
+
+def unplaced(pending: list[tuple[dict[str, float], int]], shapes: dict[str, dict[str, float]],
+             waiting: dict[str, list[str]], nodes: list[dict[str, float]]) -> list[dict]:
+    """Which roles have replicas Ray cannot place now, and why.
+
+    ``pending`` is what Ray's GCS still has to place (resource shape, count: the demands it shows
+    an autoscaler), ``shapes`` what one replica of each role asks for, ``waiting`` the replicas of
+    each role that are not serving, ``nodes`` the total resources of every alive node. A pending
+    shape is put down to the roles that ask for exactly it and have replicas waiting (a demand of
+    another deployment with the same shape cannot be told apart; ``count`` is capped at the
+    waiting replicas). Why: no alive node offers the shape (say, only a lost machine did), or every
+    node that offers it has it in use. Ray places the replica by itself once a node offers it free.
+    """
+    found = []
+    for shape, count in pending:
+        roles = [role for role, asks in shapes.items() if _same_shape(asks, shape) and waiting.get(role)]
+        if not roles:
+            continue
+        replicas = sorted(name for role in roles for name in waiting[role])
+        offering = sum(all(total.get(key, 0.0) >= amount for key, amount in shape.items()) for total in nodes)
+        wanted = ", ".join(f"{key}: {amount:g}" for key, amount in sorted(shape.items()))
+        if offering:
+            reason = (f"the {offering} alive node(s) offering {{{wanted}}} have it all in use; it is placed when "
+                      "one frees it or a node that offers it joins")
+        else:
+            reason = f"no alive node offers {{{wanted}}}; it is placed when a node that offers it joins"
+        found.append({"roles": roles, "count": min(count, len(replicas)), "resources": dict(shape),
+                      "replicas": replicas, "reason": reason})
+    return found
+
+
+def _same_shape(a: dict[str, float], b: dict[str, float]) -> bool:
+    a = {k: v for k, v in a.items() if v}
+    b = {k: v for k, v in b.items() if v}
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-6 for k in a)

@@ -32,9 +32,24 @@ from epd import errors
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # internal hops: a handoff chunk, an inline embedding, images
+KEEPALIVE_S = 5.0
+"""Every connection (both ends) pings its peer this often and gives up on it when the answer takes
+as long again. A peer whose machine is lost (power, cable, a crashed kernel) sends no FIN and no
+RST: without this a call to it, or a stream from it, hangs until its deadline (tens of minutes for
+TCP's own retransmissions), and a new call can start on the dead connection. With it such a call
+fails with UNAVAILABLE within about 2 x KEEPALIVE_S and is retried elsewhere (tests/test_node_loss.py)."""
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_S * 1000)),  # else a ping waits 60 s for its answer
+    ("grpc.keepalive_permit_without_calls", 1),  # idle channels too: a new call must not find a dead one
+    ("grpc.http2.max_pings_without_data", 0),  # pings go on while a stream sends nothing
+    # The server side of the same: accept those pings (by default a server answers a ping more
+    # often than every 5 minutes without data with GOAWAY "too_many_pings", failing the calls).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000 * 0.8)),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 DOWNSTREAM = ("epd-fault", "downstream")
 """Trailing metadata of a status that reports a failure of a hop behind the server that sent it."""

@@ -241,8 +241,10 @@ class Machine:
 class Lan:
     """``client`` (the workstation and the LAN's bridge) plus hosts on 10.232.N.0/24."""
 
-    def __init__(self, tag: int, workdir: Path, hosts: tuple[str, ...] = ("head", "worker")) -> None:
+    def __init__(self, tag: int, workdir: Path, hosts: tuple[str, ...] = ("head", "worker"), sshd: bool = True) -> None:
+        assert len({name[0] for name in ("client", *hosts)}) == len(hosts) + 1, "machine names need distinct initials"
         self.prefix = f"epr{tag}"
+        self.sshd = sshd  # False: hosts reached only by nsenter (no OpenSSH needed)
         self.workdir = workdir
         octet = tag % 250 + 1
         self.subnet = f"10.232.{octet}"
@@ -279,10 +281,12 @@ class Lan:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.client.start(None, sshd=False)
-        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "epd ray up test", "-f", str(self.key))
-        public = (self.key.parent / "id_ed25519.pub").read_text()
+        public = None
+        if self.sshd:
+            sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "epd ray up test", "-f", str(self.key))
+            public = (self.key.parent / "id_ed25519.pub").read_text()
         for machine in self.hosts.values():
-            machine.start(public, sshd=True)
+            machine.start(public, sshd=self.sshd)
 
     def destroy(self) -> list[str]:
         stubborn: list[str] = []

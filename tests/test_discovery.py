@@ -9,7 +9,7 @@ import time
 import pytest
 
 from control.autoscale import AutoscalePolicy
-from control.fleet import Fleet, Probe
+from control.fleet import Fleet, Probe, unplaced
 from epd import errors
 from epd.breaker import Breaker
 from epd.config import AutoscaleConfig
@@ -166,3 +166,24 @@ def test_autoscale_up_at_once_down_after_cooldown_within_bounds():
     down = policy.decide(current=3, queued=0, now=18.5)
     assert (down.direction, down.target) == ("down", 1)  # clamped to min
     assert "cool-down 10s" in down.reason
+
+
+def test_unplaced_replicas_are_put_down_to_their_roles_with_why():
+    shapes = {"encoder": {"epd_encoder": 1.0}, "encode": {"epd_encoder": 0.01}, "prefill": {"epd_lm": 1.0},
+              "decode": {"epd_lm": 1.0}, "router": {"epd_router": 1.0}}
+    east = {"CPU": 1.0, "epd_encoder": 3.0, "epd_lm": 4.0}
+    head = {"CPU": 1.0, "epd_router": 2.0}
+    # The surviving worker offers encoders but has them all in use: one of two encoders waits.
+    (entry,) = unplaced([({"epd_encoder": 1.0}, 1)], shapes, {"encoder": ["encoder-0", "encoder-2"]}, [head, east])
+    assert (entry["roles"], entry["count"], entry["replicas"]) == (["encoder"], 1, ["encoder-0", "encoder-2"])
+    assert "1 alive node(s) offering {epd_encoder: 1} have it all in use" in entry["reason"]
+    # Only the lost machine offered GPUs: no alive node does.
+    gpu = dict(shapes, decode={"epd_lm": 1.0, "GPU": 0.5})
+    (entry,) = unplaced([({"GPU": 0.5, "epd_lm": 1.0}, 2)], gpu, {"decode": ["decode-8"]}, [head, east])
+    assert (entry["roles"], entry["count"]) == (["decode"], 1)  # capped at the replicas waiting
+    assert entry["reason"].startswith("no alive node offers {GPU: 0.5, epd_lm: 1}")
+    # Two roles ask for the same shape: both are named; a shape no waiting role asks for is not ours.
+    (entry,) = unplaced([({"epd_lm": 1.0}, 2), ({"other": 1.0}, 3)], shapes,
+                        {"prefill": ["prefill-6"], "decode": ["decode-8"], "encoder": []}, [head, east])
+    assert (entry["roles"], entry["count"], entry["replicas"]) == (["prefill", "decode"], 2, ["decode-8", "prefill-6"])
+    assert unplaced([({"epd_lm": 1.0}, 1)], shapes, {"prefill": []}, [head, east]) == []
