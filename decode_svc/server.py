@@ -90,7 +90,7 @@ class DecodeServer(rpc.RoleServer):
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
-                    context.host)
+                    context.host, rpc.internal_transport(serve.security))
         self.membership = Membership(context, address=self.address())
 
     def in_flight(self) -> int:

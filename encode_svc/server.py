@@ -116,7 +116,8 @@ class EncodeServer(rpc.RoleServer):
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
                                               context.poll_s, self.pool.balancer.outstanding)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
-                    context.host, healthy=lambda: self.pool.balancer.num_available() > 0)
+                    context.host, rpc.internal_transport(serve.security),
+                    healthy=lambda: self.pool.balancer.num_available() > 0)
         self.membership = discovery.Membership(context, address=self.address())
 
     def outstanding(self, name: str) -> int:

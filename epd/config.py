@@ -176,8 +176,28 @@ class SecurityConfig:
     internal_token: str = field(default="", repr=False)
     """Secret every call between roles carries (metadata `x-epd-internal`); internal services
     refuse calls without it. epd serve/deploy make a fresh one per deployment unless given."""
+    tls_cert: str = ""
+    """PEM certificate (chain) of the public fronts; with tls_key, clients must use TLS."""
+    tls_key: str = ""
+    """PEM private key of the public fronts' certificate."""
+    internal_tls_ca: str = ""
+    """PEM CA that signed every role's internal certificate: with the two below, calls between
+    roles use mutual TLS (each side checks the other's certificate). The files must exist at the
+    same path on every node."""
+    internal_tls_cert: str = ""
+    """PEM certificate every role presents to the others (its SANs must name the addresses roles bind)."""
+    internal_tls_key: str = ""
+    """PEM private key of the internal certificate."""
 
     def __post_init__(self) -> None:
+        _check(bool(self.tls_cert) == bool(self.tls_key), "security.tls_cert",
+               "give both --tls-cert and --tls-key, or neither")
+        internal = (self.internal_tls_ca, self.internal_tls_cert, self.internal_tls_key)
+        _check(all(internal) or not any(internal), "security.internal_tls_ca",
+               "mutual TLS between roles needs all three of --internal-tls-ca, --internal-tls-cert, --internal-tls-key")
+        for name in ("tls_cert", "tls_key", *("internal_tls_" + n for n in ("ca", "cert", "key"))):
+            path = getattr(self, name)
+            _check(not path or os.path.isfile(path), f"security.{name}", f"no such file: {path}")
         _check(not self.api_key or (len(self.api_key) >= 8 and self.api_key.isprintable() and " " not in self.api_key),
                "security.api_key", "must be at least 8 printable characters without spaces")
         _check(not self.internal_token or len(self.internal_token) >= 16, "security.internal_token",

@@ -321,10 +321,12 @@ class Targets:
     """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
     least busy allowed replica and tries the others when the replica itself fails."""
 
-    def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext) -> None:
+    def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext,
+                 transport: rpc.Transport) -> None:
         self.role = role
         self.balancer = Balancer(role)
-        self.stubs = rpc.StubCache(make_stub)
+        self.stubs = rpc.StubCache(make_stub, transport)
+        self.metadata = transport.metadata
         self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
                                     self.balancer.outstanding)
 
@@ -342,7 +344,8 @@ class Targets:
             try:
                 request = request_or_factory() if callable(request_or_factory) else request_or_factory
                 remaining = None if deadline is None else max(0.05, deadline - time.monotonic())
-                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining)
+                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining,
+                                                                       metadata=self.metadata)
                 ok = True
                 return reply, address
             except grpc.aio.AioRpcError as error:
@@ -360,17 +363,17 @@ class Targets:
         self._watch.close()
 
 
-def encoder_targets(context: RoleContext) -> Targets:
+def encoder_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
     """The Encoder service(s), as the router calls them."""
-    return Targets("encode", epd_pb2_grpc.EncoderStub, context)
+    return Targets("encode", epd_pb2_grpc.EncoderStub, context, transport)
 
 
-def prefill_targets(context: RoleContext) -> Targets:
-    return Targets("prefill", epd_pb2_grpc.PrefillStub, context)
+def prefill_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
+    return Targets("prefill", epd_pb2_grpc.PrefillStub, context, transport)
 
 
-def decode_targets(context: RoleContext) -> Targets:
-    return Targets("decode", epd_pb2_grpc.DecodeStub, context)
+def decode_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
+    return Targets("decode", epd_pb2_grpc.DecodeStub, context, transport)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
