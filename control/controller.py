@@ -134,7 +134,7 @@ class Controller:
             e = registered.get(replica.name)
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
-                "node_ip": node_ips.get(e.node_id, "") if e else "",
+                "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "state": "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
@@ -289,7 +289,12 @@ class Controller:
             self._stop.wait(self.config.probe_interval_s)
 
     def _reconcile(self) -> None:
-        endpoints = {e.name: e for e in self._endpoints()}
+        view = ray.get(self.registry.snapshot.remote(), timeout=30)
+        with self._lock:
+            known = sum(r.registered for r in self.fleet.replicas.values())
+        if view.warming and len(view.endpoints) < known:
+            return  # a restarted registry is being refilled by heartbeats: judge nobody by it yet
+        endpoints = {e.name: e for e in view.endpoints}
         with self._lock:
             names = list(self._handles.items())
         probes = list(self._probes.map(lambda item: self._probe(item[0], item[1], endpoints.get(item[0])), names))
@@ -346,8 +351,7 @@ class Controller:
         return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
     def _endpoints(self) -> list[discovery.Endpoint]:
-        _, _, endpoints = ray.get(self.registry.snapshot.remote(), timeout=30)
-        return endpoints
+        return ray.get(self.registry.snapshot.remote(), timeout=30).endpoints
 
     # ------------------------------------------------------------ autoscaling
 

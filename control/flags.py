@@ -80,6 +80,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
+    _flag("--decode-metrics-port", "serve.decode.metrics_port"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )

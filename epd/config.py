@@ -129,11 +129,14 @@ class DecodeConfig(LMConfig):
     """A handed-off request that no stream claims within this many seconds is freed."""
     max_batch_size: int = 32
     """Requests decoded together in one step (continuous batching); more wait for a slot."""
+    metrics_port: int = 0
+    """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
+        _check_range(self.metrics_port, 0, 65535, "decode.metrics_port")
 
 
 @dataclass(frozen=True)
