@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = command("serve", help="start every role on a local Ray instance")
     flags.add_flags(serve, flags.SERVE)
+    flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
     serve.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.set_defaults(func=_cmd_serve, parser=serve)
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy = command("deploy", help="place every role on a running Ray cluster by Ray resources")
     deploy.add_argument("--address", required=True, type=_address, help="Ray cluster address (HEAD_IP:6379)")
     flags.add_flags(deploy, flags.DEPLOY)
+    flags.add_secret_files(deploy)
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
@@ -123,6 +125,10 @@ def _add_generate_parser(command) -> None:
                      help="lower the per-image pixel cap for this request (none: the model's)")
     gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, help="seconds before giving up (none: no limit)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result as the last line")
+    gen.add_argument("--api-key", default=None, metavar="KEY",
+                     help="sent as `authorization: Bearer KEY` (default: EPD_API_KEY when set)")
+    gen.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="connect with TLS, trusting this CA (or the server's self-signed certificate)")
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
 
@@ -260,7 +266,8 @@ def _cmd_bench(args) -> int:
     try:
         stack = None
         if args.model:
-            stack = flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model)
+            stack = flags.with_secrets(
+                flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model), args, {})
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
@@ -317,7 +324,7 @@ def _cmd_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = flags.deploy_config(args, flags.SERVE, args.config)
+        config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
     busy = _port_in_use(config.serve.router.host, config.serve.router.port)
@@ -383,7 +390,8 @@ def _cmd_deploy(args) -> int:
     from epd.config import ConfigError
 
     try:
-        config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node")
+        config = flags.with_secrets(flags.deploy_config(args, flags.DEPLOY, args.config, bind="node"), args,
+                                    os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
     _ray_env(args.address)
@@ -446,18 +454,18 @@ def _cmd_status(args) -> int:
 
     try:
         status = ray.get(handle.status.remote())
-        try:
-            status["placements"] = controller.placements(args.namespace, args.address)
-        except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
-            status["placements"] = []
-            print(f"epd status: no placements from Ray's state API ({type(error).__name__}: {error}); "
-                  "start the head with its dashboard to see them", file=sys.stderr)
+        status["placements"] = []
+        if args.json:  # every actor of the deployment as Ray's state API sees it (needs the dashboard)
+            try:
+                status["placements"] = controller.placements(args.namespace, args.address)
+            except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
+                print(f"epd status: no placements from Ray's state API ({type(error).__name__})", file=sys.stderr)
     finally:
         ray.shutdown()
     if args.json:
         print(json.dumps(status))
         return 0
-    where = {row["name"]: row["node_ip"] for row in status["placements"]}
+    where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
         counts = status["counts"][role]
         life = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
@@ -516,7 +524,13 @@ def _cmd_generate(args) -> int:
     )
     on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:
-        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout)
+        tls_ca = client.read_ca(args.tls_ca)
+    except ValueError as error:
+        args.parser.error(str(error))
+    api_key = args.api_key or os.environ.get("EPD_API_KEY") or None
+    try:
+        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout, api_key=api_key,
+                                 tls_ca=tls_ca)
     except grpc.RpcError as error:
         print(f"{error.code().name}: {error.details()}", file=sys.stderr)
         return 1

@@ -71,6 +71,7 @@ class Controller:
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._probes = ThreadPoolExecutor(8, thread_name_prefix="probe")
+        self._internal = rpc.internal_transport(config.serve.security)  # how the probes reach internal servers
         self.decisions: list[dict] = []
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
@@ -127,6 +128,7 @@ class Controller:
         """Replicas per role (name, address, node, health), their life events, autoscaling."""
         roles: dict[str, list] = {role: [] for role in ROLES}
         registered = {e.name: e for e in self._endpoints()}
+        node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         with self._lock:
             replicas = list(self.fleet.replicas.values())
         waiting = {name for entry in self.unplaced if entry["count"] == len(entry["replicas"])
@@ -136,6 +138,7 @@ class Controller:
             state = "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
+                "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "state": "unplaced" if replica.name in waiting else state})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
@@ -295,7 +298,12 @@ class Controller:
             self._stop.wait(self.config.probe_interval_s)
 
     def _reconcile(self) -> None:
-        endpoints = {e.name: e for e in self._endpoints()}
+        view = ray.get(self.registry.snapshot.remote(), timeout=30)
+        with self._lock:
+            known = sum(r.registered for r in self.fleet.replicas.values())
+        if view.warming and len(view.endpoints) < known:
+            return  # a restarted registry is being refilled by heartbeats: judge nobody by it yet
+        endpoints = {e.name: e for e in view.endpoints}
         with self._lock:
             names = list(self._handles.items())
         probes = list(self._probes.map(lambda item: self._probe(item[0], item[1], endpoints.get(item[0])), names))
@@ -357,7 +365,7 @@ class Controller:
         """The serving path where there is one (gRPC health), else a call through Ray; when that
         fails, Ray tells whether the actor is gone for good."""
         if endpoint is not None and endpoint.address:
-            status = rpc.health_status(endpoint.address, timeout_s=self.config.probe_timeout_s)
+            status = self._health_status(name, handle, endpoint.address)
             if status is not None:
                 return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
         try:
@@ -368,9 +376,22 @@ class Controller:
             return Probe.UNREACHABLE
         return Probe.SERVING if endpoint is not None and not endpoint.address else Probe.UNREACHABLE
 
+    def _health_status(self, name: str, handle, address: str) -> int | None:
+        """grpc.health.v1 of the replica's server. A router with a public TLS certificate is asked
+        through Ray instead (its health computed on its serving loop): the controller holds no CA
+        for the public certificate."""
+        if not name.startswith("router-"):
+            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s, transport=self._internal)
+        if not self.config.serve.security.tls_cert:
+            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s)
+        try:
+            serving = ray.get(handle.health.remote(), timeout=self.config.probe_timeout_s)
+        except Exception:  # noqa: BLE001 - unreachable: the Ray call below tells dead from restarting
+            return None
+        return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
     def _endpoints(self) -> list[discovery.Endpoint]:
-        _, _, endpoints = ray.get(self.registry.snapshot.remote(), timeout=30)
-        return endpoints
+        return ray.get(self.registry.snapshot.remote(), timeout=30).endpoints
 
     # ------------------------------------------------------------ autoscaling
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
 from dataclasses import replace
 
-from epd import rpc
 from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
@@ -28,6 +28,9 @@ REDIS_KEEPER_NAME = "redis"
 
 class LocalStack:
     def __init__(self, config: DeployConfig) -> None:
+        if not config.serve.security.internal_token:  # internal services only answer the deployment's own calls
+            security = replace(config.serve.security, internal_token=secrets.token_urlsafe(32))
+            config = replace(config, serve=replace(config.serve, security=security))
         self.deploy = config
         self.config = config.serve
         self.redis_keeper = None
@@ -57,10 +60,8 @@ class LocalStack:
             self._start_store()
             store = replace(self.config.store, redis_url=self.redis_url)
             deploy = replace(self.deploy, serve=replace(self.config, store=store))
-            self.controller = create_controller(deploy, detached=False)
+            self.controller = create_controller(deploy, detached=False)  # returns once every role serves
             self.addresses["router"] = self.router_addresses()[0]
-            for address in self.router_addresses():
-                rpc.wait_serving(address, timeout_s=60)
             return self.addresses["router"]
         except BaseException:
             self.stop()

@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from epd import rpc
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
@@ -100,16 +102,31 @@ def _part_from_json(part: object, where: str, base_dir: str) -> epd_pb2.ContentP
     raise ValueError(f'{where} must be {{"type": "text", "text": STR}} or {{"type": "image", "image": PATH}}')
 
 
-def stream(address: str, request: epd_pb2.GenerateRequest, timeout_s: float | None = None) -> Iterable[epd_pb2.GenerateResponse]:
-    with rpc.channel(address) as chan:
-        yield from epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=timeout_s)
+def read_ca(path: str | None) -> bytes | None:
+    """A PEM file's bytes (None for no path); ValueError naming the problem."""
+    return rpc.read_pem(path or "")
+
+
+def connect(address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> tuple[grpc.Channel, tuple]:
+    """A channel to a router (TLS when ``tls_ca`` is given) and the metadata every call carries."""
+    transport = rpc.Transport("authorization", f"Bearer {api_key}" if api_key else "", ca=tls_ca)
+    return transport.channel(address), transport.metadata
+
+
+def stream(address: str, request: epd_pb2.GenerateRequest, timeout_s: float | None = None,
+           api_key: str | None = None, tls_ca: bytes | None = None) -> Iterable[epd_pb2.GenerateResponse]:
+    chan, metadata = connect(address, api_key, tls_ca)
+    with chan:
+        yield from epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def generate(address: str, request: epd_pb2.GenerateRequest, on_text: Callable[[str], None] | None = None,
-             timeout_s: float | None = None) -> GenerateResult:
-    """Run one request to the end; raises grpc.RpcError on failure."""
+             timeout_s: float | None = None, api_key: str | None = None,
+             tls_ca: bytes | None = None) -> GenerateResult:
+    """Run one request to the end; raises grpc.RpcError on failure. ``api_key`` is sent as
+    ``authorization: Bearer KEY``; ``tls_ca`` (PEM bytes) makes the connection TLS."""
     result = GenerateResult()
-    for event in stream(address, request, timeout_s):
+    for event in stream(address, request, timeout_s, api_key, tls_ca):
         if event.WhichOneof("event") == "summary":
             result.summary = event.summary
             continue

@@ -54,13 +54,15 @@ class RouterServer(rpc.RoleServer):
         config = serve.router
         info = ModelInfo.load(serve.model_dir)
         builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels)
-        self._targets = [discovery.encoder_targets(context), discovery.prefill_targets(context),
-                         discovery.decode_targets(context)]
+        internal = rpc.internal_transport(serve.security)
+        self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
+                         discovery.decode_targets(context, internal)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
         self.core = RouterCore(config, builder, store, *self._targets)
         self.servicer = RouterServicer(self.core)
         self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router")], context.host,
-                    config.port, healthy=self.core.serving)
+                    rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
+                    what="an API key (authorization: Bearer KEY)")
         self._metrics = serve_metrics(self.core.metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address())
 

@@ -136,6 +136,17 @@ class Cluster:
     def status_text(self) -> str:
         return self.epd("status", "--address", f"{self.head.ip}:6379", "--namespace", NAMESPACE).stdout
 
+    def node_end_time(self, ip: str) -> float | None:
+        """When Ray's GCS declared the node at ``ip`` dead (its state API), or None."""
+        out = self.run(self.head, "ray", "list", "nodes", "--detail", "--format", "json", "--limit", "100",
+                       timeout=120, check=False)
+        try:
+            nodes = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return None
+        ends = [n.get("end_time_ms") for n in nodes if n.get("node_ip") == ip and n.get("state") == "DEAD"]
+        return ends[0] / 1000 if ends and ends[0] else None
+
     def controller_log(self, pattern: str) -> list[str]:
         """Lines of the head's Ray logs (the controller runs there) that match ``pattern``."""
         out = self.run(self.head, "sh", "-c", f"grep -rhE -- '{pattern}' /tmp/ray/session_latest/logs/ || true",
@@ -231,7 +242,7 @@ def test_losing_a_worker_machine_under_load(lan, tiny_model_dir, oracle, tmp_pat
         log = open(tmp_path / "netload.log", "w")
         load = subprocess.Popen(
             ["ip", "netns", "exec", lan.client.ns, sys.executable, "-m", "tests.netload", "--router", router,
-             "--out", str(load_out), "--stop", str(stop_file), "--clients", "4", "--max-tokens", str(MAX_TOKENS)],
+             "--out", str(load_out), "--stop", str(stop_file), "--clients", "4", "--max-tokens", str(MAX_TOKENS), "--pause-s", "0.5"],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
@@ -274,6 +285,7 @@ def test_losing_a_worker_machine_under_load(lan, tiny_model_dir, oracle, tmp_pat
         load.wait(timeout=400)
         status = cluster.status()
         statuses.append(status)
+        ray_declared_dead_at = cluster.node_end_time(victim.ip)
     except BaseException:
         if load is not None and load.poll() is None:
             stop_file.write_text("")
@@ -337,6 +349,7 @@ def test_losing_a_worker_machine_under_load(lan, tiny_model_dir, oracle, tmp_pat
         "lost": lost, "noticed_s": {n: round(t - killed_at, 1) for n, t in sorted(noticed.items())},
         "back_s": {n: round(t - killed_at, 1) for n, t in sorted(back.items())},
         "recovery_s": round(max(back.values()) - killed_at, 1), "still_unplaced": still_lost,
+        "ray_declared_node_dead_s": round(ray_declared_dead_at - killed_at, 1) if ray_declared_dead_at else None,
         "max_e2e_in_flight_at_loss_s": round(max((r["end"] - r["start"] for r in during), default=0), 1),
         "health_polls_s": 0.15,
         "not_serving_s": round(sum(e - s for s, e, st in spans if st == "NOT_SERVING"), 2),
