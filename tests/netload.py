@@ -7,8 +7,8 @@ or one of a few repeated ones, so both the encoders and the store serve), and on
 router's ``grpc.health.v1`` every ``--health-every-s``. Everything goes to ``--out`` as JSON
 lines: one ``request`` record per request (the prompt and image seeds, so the test can rebuild
 the request for transformers; the tokens, or the status and message; wall-clock start and end;
-how often it moved to another decode worker) and one ``health`` record per change of the
-router's answer. It runs until the file ``--stop`` exists, then lets the requests in flight end.
+how often it moved to another decode worker), a ``begin`` record when each request is sent (so
+the test can tell what is in flight), and one ``health`` record per change of the router's answer. It runs until the file ``--stop`` exists, then lets the requests in flight end.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ def client_loop(index: int, args, recorder: Recorder, stop: threading.Event, fre
     from epd import client
 
     rng = random.Random(index)
+    sent = 0
     while not stop.is_set():
         seed = next(fresh) if rng.random() < args.fresh_ratio else rng.choice(REPEATED_SEEDS)
         prompt = rng.choice(PROMPTS)
-        record = {"kind": "request", "client": index, "prompt": prompt, "seeds": [seed], "size": args.size,
-                  "max_tokens": args.max_tokens, "start": time.time()}
+        sent += 1
+        record = {"kind": "request", "client": index, "n": sent, "prompt": prompt, "seeds": [seed],
+                  "size": args.size, "max_tokens": args.max_tokens, "start": time.time()}
+        recorder.write({"kind": "begin", "client": index, "n": sent, "start": record["start"]})
         try:
             result = client.generate(args.router, client.user_request(
                 prompt, [image(seed, args.size)], max_tokens=args.max_tokens, temperature=0.0),

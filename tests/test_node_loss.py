@@ -137,15 +137,18 @@ class Cluster:
         return self.epd("status", "--address", f"{self.head.ip}:6379", "--namespace", NAMESPACE).stdout
 
     def node_end_time(self, ip: str) -> float | None:
-        """When Ray's GCS declared the node at ``ip`` dead (its state API), or None."""
-        out = self.run(self.head, "ray", "list", "nodes", "--detail", "--format", "json", "--limit", "100",
-                       timeout=120, check=False)
+        """When Ray's GCS declared the node at ``ip`` dead (Ray's state API), or None."""
+        script = ("import json, ray\n"
+                  "from ray.util.state import list_nodes\n"
+                  f"ray.init(address='{self.head.ip}:6379', logging_level='ERROR', log_to_driver=False)\n"
+                  f"print(json.dumps([n.end_time_ms for n in list_nodes(detail=True, limit=100) "
+                  f"if n.node_ip == '{ip}' and n.state == 'DEAD']))\n")
+        out = self.run(self.head, sys.executable, "-c", script, timeout=120, check=False)
         try:
-            nodes = json.loads(out.stdout)
-        except json.JSONDecodeError:
+            ends = json.loads(out.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
             return None
-        ends = [n.get("end_time_ms") for n in nodes if n.get("node_ip") == ip and n.get("state") == "DEAD"]
-        return ends[0] / 1000 if ends and ends[0] else None
+        return int(ends[0]) / 1000 if ends and ends[0] else None
 
     def controller_log(self, pattern: str) -> list[str]:
         """Lines of the head's Ray logs (the controller runs there) that match ``pattern``."""
@@ -180,6 +183,12 @@ def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def in_flight(records: list[dict]) -> set[tuple[int, int]]:
+    """(client, n) of the requests sent and not yet ended."""
+    begun = {(r["client"], r["n"]) for r in records if r["kind"] == "begin"}
+    return begun - {(r["client"], r["n"]) for r in records if r["kind"] == "request"}
 
 
 def not_serving_spans(records: list[dict], since: float, until: float) -> list[tuple[float, float, str]]:
@@ -242,7 +251,7 @@ def test_losing_a_worker_machine_under_load(lan, tiny_model_dir, oracle, tmp_pat
         log = open(tmp_path / "netload.log", "w")
         load = subprocess.Popen(
             ["ip", "netns", "exec", lan.client.ns, sys.executable, "-m", "tests.netload", "--router", router,
-             "--out", str(load_out), "--stop", str(stop_file), "--clients", "4", "--max-tokens", str(MAX_TOKENS), "--pause-s", "0.5"],
+             "--out", str(load_out), "--stop", str(stop_file), "--clients", "4", "--max-tokens", str(MAX_TOKENS), "--pause-s", "0.2"],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
@@ -255,6 +264,10 @@ def test_losing_a_worker_machine_under_load(lan, tiny_model_dir, oracle, tmp_pat
             assert time.monotonic() < deadline, f"only {len(answered())} answers before the loss{diagnostics()}"
             time.sleep(1)
 
+        # Lose it while requests are in flight (most of the time they are: catch such a moment).
+        while len(in_flight(read_records(load_out))) < 3:
+            assert time.monotonic() < deadline, f"never 3 requests in flight{diagnostics()}"
+            time.sleep(0.05)
         killed_at = time.time()
         lose_machine(victim)
 
