@@ -470,7 +470,8 @@ class _Metrics:
             self._healthy.labels(role=role).set(fleet.healthy_count(role))
             for kind in ("died", "restarted", "replaced", "unhealthy", "recovered"):
                 self._events.labels(role=role, kind=kind).set(fleet.count(role, kind))
-            self._unplaced.labels(role=role).set(sum(e["count"] for e in self.controller.unplaced if role in e["roles"]))
+            waiting = sum(e["count"] for e in self.controller.unplaced if role in e["roles"])
+            self._unplaced.labels(role=role).set(waiting)
 
     def observe(self, decision: Decision, desired: int) -> None:
         self._desired.set(desired)

@@ -8,7 +8,8 @@ router's ``grpc.health.v1`` every ``--health-every-s``. Everything goes to ``--o
 lines: one ``request`` record per request (the prompt and image seeds, so the test can rebuild
 the request for transformers; the tokens, or the status and message; wall-clock start and end;
 how often it moved to another decode worker), a ``begin`` record when each request is sent (so
-the test can tell what is in flight), and one ``health`` record per change of the router's answer. It runs until the file ``--stop`` exists, then lets the requests in flight end.
+the test can tell what is in flight), and one ``health`` record per change of the router's
+answer. It runs until the file ``--stop`` exists, then lets the requests in flight end.
 """
 
 from __future__ import annotations
