@@ -47,12 +47,14 @@ STAGES = ("tokenize", "encode", "prefill", "decode")
 
 class RouterCore:
     def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
-                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets) -> None:
+                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets,
+                 encoder_replicas: discovery.Balancer | None = None) -> None:
         self.config = config
         self.builder = builder
         self.store = store
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
         self.encoder, self.prefill, self.decode = encoder, prefill, decode
+        self.encoder_replicas = encoder_replicas  # behind the Encoder services: watched for health only
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
                         "retried_prefills": 0, "inline_images": 0, "refused": 0}
@@ -64,8 +66,12 @@ class RouterCore:
     # ---------------------------------------------------------------- health
 
     def serving(self) -> bool:
-        """Every role this router calls has a replica that takes work."""
-        return not self.refusing and all(t.balancer.num_available() > 0 for t in (self.encoder, self.prefill, self.decode))
+        """Every role this router needs has a replica that takes work (encoder replicas too, behind
+        the Encoder services)."""
+        balancers = [t.balancer for t in (self.encoder, self.prefill, self.decode)]
+        if self.encoder_replicas is not None:
+            balancers.append(self.encoder_replicas)
+        return not self.refusing and all(b.num_available() > 0 for b in balancers)
 
     # ---------------------------------------------------------------- the request path
 

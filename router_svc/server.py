@@ -58,7 +58,10 @@ class RouterServer(rpc.RoleServer):
         self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
                          discovery.decode_targets(context, internal)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
-        self.core = RouterCore(config, builder, store, *self._targets)
+        encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
+        self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
+                                                 context.poll_s)]
+        self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders)
         self.servicer = RouterServicer(self.core)
         self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router")], context.host,
                     rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
@@ -91,8 +94,8 @@ class RouterServer(rpc.RoleServer):
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()
-        for targets in self._targets:
-            targets.close()
+        for watched in (*self._targets, *self._watches):
+            watched.close()
         super().stop(grace_s)
         if self._metrics is not None:
             self._metrics.shutdown()
