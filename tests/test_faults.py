@@ -12,10 +12,12 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 
 from bench.synthetic import make_image
 from epd import client, rpc
+from epd.v1 import epd_pb2_grpc
 from tests.conftest import ServeProcess, epd_status, ray_address
 
 IMAGE = make_image(128, 128, seed=900)
@@ -30,10 +32,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, tmp_path_factory):
     """One replica of every role; decode batches up to 64 requests."""
-    port = _free_port()
-    server = ServeProcess(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(port),
+    ports = {role: _free_port() for role in ("router", "prefill", "decode")}
+    server = ServeProcess(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(ports["decode"]),
+                          "--router-metrics-port", str(ports["router"]), "--prefill-metrics-port", str(ports["prefill"]),
                           "--log-level", "INFO", log_path=str(tmp_path_factory.mktemp("logs") / "single.log"))
-    server.decode_metrics = f"http://127.0.0.1:{port}/metrics"
+    server.metrics = {role: f"http://127.0.0.1:{port}/metrics" for role, port in ports.items()}
+    server.decode_metrics = server.metrics["decode"]
     yield server
     assert server.stop() == [], "epd serve left processes behind"
 
@@ -75,6 +79,46 @@ def test_more_streams_than_any_thread_pool_decode_in_one_batch(single):
     assert failures == [] and len(finished) == 48
     assert max(first_decoded) < min(finished), "some streams only started after others finished (waves)"
     assert _metric(single.decode_metrics, "epd_decode_largest_batch") >= 40
+
+
+def test_clients_that_leave_free_their_work_at_every_stage(single):
+    """Six clients leave 1.5 s into long requests (prompts of ~6k tokens, 1,500 tokens to
+    generate): within a second prefill and decode are idle again, and the counters say at which
+    stage each request was when its client left."""
+    address = ray_address(single)
+    roles = epd_status(address)["roles"]
+    workers = [psutil.Process(roles[role][0]["pid"]) for role in ("prefill", "decode")]
+    before = _counts(single.metrics["router"], "epd_requests_cancelled_total")
+    calls = []
+    for n in range(6):
+        request = client.user_request(f"{n} " + "lorem ipsum dolor sit amet " * 350, max_tokens=1500,
+                                      ignore_eos=True)
+        chan, metadata = client.connect(single.address)
+        calls.append((chan, epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=600)))
+    time.sleep(1.5)
+    for chan, call in calls:
+        call.cancel()  # the client goes away
+        chan.close()
+    time.sleep(1.0)
+    for worker in workers:
+        worker.cpu_percent()
+    time.sleep(1.0)
+    busy = {w.pid: w.cpu_percent() for w in workers}
+    assert all(load < 25 for load in busy.values()), f"still working after its clients left: {busy}"
+    after = _counts(single.metrics["router"], "epd_requests_cancelled_total")
+    stages = {stage: after.get(stage, 0) - before.get(stage, 0) for stage in after}
+    assert sum(stages.values()) == 6, stages
+    prefill = _counts(single.metrics["prefill"], "epd_prefill_cancelled_total")
+    finished = _counts(single.metrics["decode"], "epd_decode_requests_finished_total")
+    assert stages.get("prefill", 0) <= sum(prefill.values())  # each one cancelled in prefill was dropped there
+    assert stages.get("decode", 0) <= finished.get("cancelled", 0)  # and each one decoding freed its slot
+
+
+def _counts(url: str, family: str) -> dict[str, float]:
+    """A labelled counter's samples: label value -> count."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {label: float(value) for label, value in
+            re.findall(rf'^{re.escape(family)}{{\w+="([^"]*)"}} (\S+)$', text, re.MULTILINE)}
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill", "encoder"])
