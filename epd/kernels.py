@@ -1,0 +1,220 @@
+"""Qwen3.5's Gated DeltaNet kernels, vectorized in torch: what the runner calls instead of
+transformers' reference fallbacks.
+
+This module owns the arithmetic of a linear-attention layer: the chunked gated delta rule
+(prefill), its one-token recurrent step (decode), and the depthwise causal conv1d for a chunk and
+for one token, each carrying its state the way ``epd.lm.HybridState`` stores it (the conv window
+holds the last ``kernel`` inputs; the recurrent state is float32 ``[B, v_heads, k_dim, v_dim]``).
+
+Why not transformers' functions: they warn that they are "reference" code, the chunked rule solves
+its triangular system twice per chunk and reads the state three times per chunk, and installing
+the packages they would defer to (flash-linear-attention, causal-conv1d) does not help on a CPU
+(Triton and CUDA only; see docs/bench/kernels.md). Everything here is plain torch, so the same
+code runs on CUDA. Accumulation is float32 wherever transformers keeps it in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+_L2_EPS = 1e-6  # transformers' l2norm epsilon (matches the FLA library)
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = _L2_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _heads_first_float32(query, key, value, g, beta, use_qk_l2norm: bool, pad: int = 0):
+    """[B, T, heads, dim] inputs -> float32 [B, v_heads, T + pad, dim] (zero rows appended),
+    keys/queries repeated for GQA (each key head serves num_v_heads // num_k_heads consecutive
+    value heads), queries scaled by 1/sqrt(k_dim). ``g``/``beta`` become [B, v_heads, T + pad]."""
+    num_k_heads, num_v_heads = key.shape[2], value.shape[2]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, g, beta = (_transpose_pad(t, pad) for t in (query, key, value, g, beta))
+    if use_qk_l2norm:
+        query, key = l2norm(query), l2norm(key)
+    return query * query.shape[-1] ** -0.5, key, value, g, beta
+
+
+def _transpose_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """[B, T, H, ...] -> contiguous float32 [B, H, T + pad, ...], padding rows zero: one copy."""
+    batch, length, heads = x.shape[:3]
+    out = x.new_empty((batch, heads, length + pad, *x.shape[3:]), dtype=torch.float32)
+    out[:, :, :length] = x.transpose(1, 2)
+    if pad:
+        out[:, :, length:] = 0.0
+    return out
+
+
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over a sequence, chunk-parallel; same contract as transformers'
+    ``torch_chunk_gated_delta_rule``.
+
+    ``query``/``key`` ``[B, T, k_heads, k_dim]``, ``value`` ``[B, T, v_heads, v_dim]``, ``g`` (log
+    decay, <= 0) and ``beta`` ``[B, T, v_heads]``, ``initial_state`` ``[B, v_heads, k_dim, v_dim]``.
+    Returns the output ``[B, T, v_heads, v_dim]`` in the query's dtype and, if asked, the final
+    float32 state. Within a chunk the UT system is inverted once (an explicit inverse of the unit
+    lower triangular matrix, then matrix products) rather than solved for each right-hand side.
+    """
+    out_dtype = query.dtype
+    length = key.shape[1]
+    # A prompt shorter than a chunk is one chunk of its own length: no padded rows to compute.
+    # Padding rows are zero: zero key, value and beta add nothing to the state, zero log-decay
+    # keeps it unchanged.
+    chunk = min(chunk_size, length)
+    pad = -length % chunk
+    query, key, value, g, beta = _heads_first_float32(query, key, value, g, beta, use_qk_l2norm_in_kernel, pad)
+    batch, heads, padded, k_dim = key.shape
+    num_chunks = padded // chunk
+    query, key, value = (t.view(batch, heads, num_chunks, chunk, -1) for t in (query, key, value))
+    beta = beta.view(batch, heads, num_chunks, chunk, 1)
+    cum = g.view(batch, heads, num_chunks, chunk).cumsum(dim=-1)  # log decay from chunk start
+
+    u, w, intra, query, key, chunk_decay = _chunk_intra(query, key, value, beta, cum)
+    state = _initial_state(initial_state, batch, heads, k_dim, value.shape[-1], value.device)
+    out = _chunk_scan(u, w, intra, query, key, chunk_decay, state)
+    out = out.view(batch, heads, padded, -1)[:, :, :length].transpose(1, 2)
+    return out.to(out_dtype, memory_format=torch.contiguous_format), state if output_final_state else None
+
+
+def _chunk_intra(query, key, value, beta, cum):
+    """Everything that does not depend on the carried state, for all chunks at once.
+
+    Returns ``u`` (the chunk's values corrected by the UT transform), ``w`` (its decayed keys as
+    the transform mixes them), the causal intra-chunk attention, queries scaled by their decay
+    from the chunk start, keys scaled by their decay to the chunk end, and each chunk's total
+    decay. The per-row factors (beta, decay from the chunk start) are applied to the small
+    chunk x chunk matrices rather than to the chunk x dim operands: fewer passes over memory.
+    """
+    chunk = key.shape[-2]
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i; masked before exp so nothing overflows
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    key_t = key.transpose(-1, -2)
+    beta_row = beta.transpose(-1, -2)  # [.., 1, C]: scales column j by beta_j
+    # The UT system is I + strictly-lower(diag(beta) k k^T * decay): the solver reads only the
+    # strict lower triangle (unitriangular), so neither the diagonal nor the upper part is set.
+    system = (key @ key_t) * (decay * beta)
+    eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True) * beta_row
+    cum_exp = cum.exp().unsqueeze(-1)
+    u = inverse @ value  # inverse diag(beta) v
+    w = (inverse * cum_exp.transpose(-1, -2)) @ key  # inverse diag(beta exp(cum)) k
+    intra = (query @ key_t) * decay
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    return u, w, intra, query * cum_exp, key, cum[..., -1].exp()
+
+
+def _initial_state(initial, batch, heads, k_dim, v_dim, device) -> torch.Tensor:
+    if initial is None:
+        return torch.zeros(batch, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+    return initial.to(device=device, dtype=torch.float32, copy=True)  # the caller's tensor stays as it was
+
+
+def _chunk_scan(u, w, intra, query, key, chunk_decay, state):
+    """The sequential part: per chunk, subtract what the carried state already predicts from the
+    chunk's values (the delta rule), read the state for the queries, and fold the chunk in
+    (``state`` is updated in place). Returns the outputs ``[B, H, chunks, chunk, v_dim]``."""
+    key_t = key.transpose(-1, -2)
+    out = torch.empty_like(u)
+    for i in range(u.shape[2]):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        torch.matmul(query[:, :, i], state, out=out[:, :, i])
+        out[:, :, i] += intra[:, :, i] @ v_new
+        state.mul_(chunk_decay[:, :, i, None, None]).add_(key_t[:, :, i] @ v_new)
+    return out
+
+
+def recurrent_gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor,
+                               use_qk_l2norm_in_kernel: bool = True) -> torch.Tensor:
+    """One token of the gated delta rule for each of B sequences, updating ``state`` in place.
+
+    transformers' ``torch_recurrent_gated_delta_rule`` for a single token (same normalisation,
+    decay, delta update and read-out), rearranged so that one product reads the old state for
+    both contractions: with S the old state and d = exp(g), the new state is S' = d S + k delta^T
+    where delta = beta (v - d k^T S), and the output is q^T S' = d q^T S + (q . k) delta, so
+    [k; q]^T S gives both. The state is then scaled and updated in place: three reads and two
+    writes of it per step, against four and two for decay, read, update, read. Inputs ``[B, 1, heads, dim]``, ``g``/``beta`` ``[B, 1,
+    v_heads]``; ``state`` float32 ``[B, v_heads, k_dim, v_dim]``, contiguous. Returns ``[B, 1,
+    v_heads, v_dim]`` in the query's dtype.
+    """
+    out_dtype = query.dtype
+    query, key, value, g, beta = _heads_first_float32(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    size, heads, _, k_dim = key.shape  # [B, H, 1, dim]
+    v_dim = value.shape[-1]
+    decay = g.exp().view(size, heads, 1, 1)
+    read = torch.cat([key, query], dim=-2) @ state  # [B, H, 2, v_dim]: k^T S and q^T S
+    delta = (value - decay * read[..., :1, :]) * beta.unsqueeze(-1)  # [B, H, 1, v_dim]
+    qk = (query * key).sum(dim=-1, keepdim=True)  # [B, H, 1, 1]
+    out = decay * read[..., 1:, :] + qk * delta
+    flat = state.view(size * heads, k_dim, v_dim)
+    flat.mul_(decay.view(-1, 1, 1)).baddbmm_(key.reshape(-1, k_dim, 1), delta.view(-1, 1, v_dim))
+    return out.transpose(1, 2).to(out_dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  window: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d over a chunk ``x [B, C, T]`` that continues ``window [B, C, K]``
+    (the previous K inputs; zeros before the first token when None). ``weight`` is ``[C, K]``.
+
+    Returns the activated output ``[B, C, T]`` in ``x``'s dtype and the new window (the last K
+    inputs, a fresh contiguous tensor). The arithmetic runs time-major, ``[B, T, C]``, the layout
+    the input projection produces (``x`` is usually its transposed view) and the one the caller
+    wants back: K multiply-adds of whole rows, so no transposing copies and no conv1d call (a
+    depthwise ``F.conv1d`` on this CPU runs at a fraction of the multiply-adds' speed). The
+    returned output is a ``[B, C, T]`` view of time-major memory. float32 accumulation.
+    """
+    kernel = weight.shape[1]
+    length = x.shape[-1]
+    rows = x.transpose(1, 2)  # [B, T, C]
+    if window is None:
+        carried = rows.new_zeros(rows.shape[0], kernel - 1, rows.shape[2])
+    else:
+        carried = window[..., 1:].transpose(1, 2).to(rows.dtype)
+    full = torch.cat([carried, rows], dim=1)  # [B, K - 1 + T, C]
+    new_window = full[:, -kernel:].transpose(1, 2).contiguous()
+    if full.dtype != torch.float32:
+        full = full.float()
+    taps = weight.t().float()  # [K, C]
+    out = full[:, :length] * taps[0]
+    for tap in range(1, kernel):
+        out.addcmul_(full[:, tap : tap + length], taps[tap])
+    if bias is not None:
+        out += bias.float()
+    return _activate(out, activation).to(x.dtype).transpose(1, 2), new_window
+
+
+def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str | None) -> torch.Tensor:
+    """One token of the depthwise causal conv: shift ``x [B, C]`` into ``window [B, C, K]`` (in
+    place) and return the activated output ``[B, C]``. A multiply-and-sum over the K taps: a
+    depthwise conv1d call costs far more than its arithmetic at one token."""
+    window[..., :-1] = window[..., 1:].clone()
+    window[..., -1] = x.to(window.dtype)
+    out = (window.float() * weight.float()).sum(dim=-1)  # float32 accumulation in any dtype
+    if bias is not None:
+        out = out + bias.float()
+    return _activate(out, activation).to(x.dtype)
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``activation`` by transformers' name, in place when it is SiLU (Qwen3.5's) and ``x`` is a
+    temporary of ours."""
+    if activation in ("silu", "swish"):
+        return F.silu(x, inplace=True)
+    return x if activation is None else ACT2FN[activation](x)
