@@ -17,6 +17,8 @@ The runner does not decide anything (which request runs, when state is freed): i
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,19 +81,36 @@ class TextModelRunner:
     model: qm.Qwen3_5TextModel
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     layer_types: list[str] = field(init=False)
+    lm_head: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.model.config.layer_types)
+        self.lm_head = functools.partial(F.linear, weight=self.lm_head_weight)
 
     @classmethod
-    def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None) -> TextModelRunner:
-        """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16)."""
+    def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None,
+             prepack: bool = True) -> TextModelRunner:
+        """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16).
+
+        ``prepack``: on a CPU, move every linear layer to oneDNN with pre-packed weights
+        (``prepack_linears``); a no-op where ``kernels.can_prepack`` says it does not apply.
+        """
         from epd import checkpoint  # heavy: only a role that serves the LM needs it
         from epd.tensors import default_device, parse_dtype
 
         device = device or default_device()
         model, lm_head = checkpoint.build_text_model(model_dir, dtype=parse_dtype(dtype), device=device)
-        return cls(model=model, lm_head_weight=lm_head)
+        runner = cls(model=model, lm_head_weight=lm_head)
+        if prepack and kernels.can_prepack(runner.device, runner.dtype):
+            runner.prepack_linears()
+        return runner
+
+    def prepack_linears(self) -> None:
+        """Every projection, MLP and the LM head through oneDNN with pre-packed weights (measured
+        1.5-3.6x faster than ATen's MKL GEMM here, docs/bench/kernels.md). The LM head is packed
+        as a copy: its tied embedding table still needs the dense layout for lookups."""
+        kernels.prepack_linears(self.model)
+        self.lm_head = kernels.PackedLinear(self.lm_head_weight)
 
     @property
     def num_layers(self) -> int:
@@ -136,7 +155,7 @@ class TextModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> float32 ``[..., vocab]`` logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
 
     def new_batch(self) -> DecodeBatch:
         return DecodeBatch(self)
