@@ -247,3 +247,57 @@ def test_runner_uses_epd_kernels(tiny_model_dir, calls):
     runner.decode_step(batch, [7, 8], [state.num_tokens] * 2)
     assert calls["recurrent_gated_delta_step"] == 2 * linear_layers
     assert calls["causal_conv1d_step"] == linear_layers
+
+
+# ---------------------------------------------------------------- pre-packed linear layers
+
+needs_onednn = pytest.mark.skipif(not kernels.can_prepack(torch.device("cpu"), torch.float32),
+                                  reason="no oneDNN in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 240])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, rows, bias):
+    if not kernels.can_prepack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 64, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(2, rows, 64, generator=gen).to(dtype)
+    out = kernels.PackedLinear(weight, b)(x)
+    assert out.shape == (2, rows, 96) and out.dtype == dtype
+    tol = dict(atol=ATOL_FP32, rtol=0) if dtype == torch.float32 else dict(atol=ATOL_HALF, rtol=ATOL_HALF)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), **tol)
+
+
+def test_can_prepack_only_on_cpu():
+    assert not kernels.can_prepack(torch.device("cuda"), torch.float32)
+    assert not kernels.can_prepack(torch.device("meta"), torch.float32)
+    assert not kernels.can_prepack(torch.device("cpu"), torch.float16)
+
+
+@needs_onednn
+def test_runner_prepacks_every_linear_and_keeps_its_results(tiny_model_dir):
+    packed = TextModelRunner.load(tiny_model_dir)
+    dense = TextModelRunner.load(tiny_model_dir, prepack=False)
+    linears = [m for m in dense.model.modules() if type(m) is torch.nn.Linear]
+    assert linears
+    assert not [m for m in packed.model.modules() if type(m) is torch.nn.Linear]
+    assert sum(isinstance(m, kernels.PackedLinear) for m in packed.model.modules()) == len(linears)
+    assert isinstance(packed.lm_head, kernels.PackedLinear)
+
+    ids = torch.arange(3, 30)
+    pos, _ = positions.mrope_positions(len(ids), [])
+    logits = []
+    for runner in (packed, dense):
+        state = runner.new_state()
+        first = runner.logits(runner.forward(runner.embed(ids), pos, state))
+        batch = runner.new_batch()
+        batch.add(state)
+        batch.add(state)
+        step = runner.decode_step(batch, [int(first.argmax())] * 2, [len(ids)] * 2)
+        logits.append((first, step))
+    for got, want in zip(logits[0], logits[1]):
+        torch.testing.assert_close(got, want, atol=ATOL_FP32, rtol=0)
