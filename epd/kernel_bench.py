@@ -1,12 +1,19 @@
-"""``python -m epd.kernel_bench``: epd's Gated DeltaNet / conv kernels against transformers'
-reference functions, side by side in one process on one checkpoint.
+"""``python -m epd.kernel_bench``: the language model's prefill forward and decode step with
+transformers' reference Gated DeltaNet / conv functions against epd's kernels, and with ATen's
+default GEMM (MKL on a CPU) against oneDNN pre-packed linear layers, side by side in one process.
 
-Both kernel sets run inside the same ``TextModelRunner`` (the reference set is swapped in for
-``epd.lm``'s ``kernels`` module only while it is timed), alternating round by round so that a
-noisy neighbour on shared cores hurts both alike. For each set it times a prefill forward of
-``--prompt-tokens`` tokens and one decode step at each ``--batch-sizes``, and reports the time
-spent inside the kernels themselves. The reference decode step is what transformers' own model
-runs per token: ``torch_recurrent_gated_delta_rule`` and ``causal_conv1d_update``.
+Configurations, each timed on the same checkpoint and inputs, alternating round by round so that
+a noisy neighbour on shared cores hurts all alike (round 0 warms each one up and is dropped):
+
+- ``reference``: transformers' ``torch_chunk_gated_delta_rule`` / ``causal_conv1d_fn`` for
+  prompts and, per decode token, ``torch_recurrent_gated_delta_rule`` / ``causal_conv1d_update``
+  (what transformers' own model runs), with ``F.linear``;
+- ``epd_kernels``: ``epd.kernels`` with ``F.linear``;
+- ``epd_kernels_packed``: ``epd.kernels`` with every linear layer and the LM head pre-packed for
+  oneDNN (what ``TextModelRunner.load`` gives on a CPU); absent where packing does not apply.
+
+The reference kernels are swapped in for ``epd.lm``'s ``kernels`` module only while timed. Each
+row reports the forward's time and the part of it spent inside the GDN/conv kernels.
 """
 
 from __future__ import annotations
@@ -57,7 +64,6 @@ def _ref_conv_step(x, window, weight, bias, activation):
 
 REFERENCE = SimpleNamespace(chunk_gated_delta_rule=_ref_chunk, recurrent_gated_delta_step=_ref_step,
                             causal_conv1d=_ref_conv, causal_conv1d_step=_ref_conv_step)
-KERNEL_SETS = {"transformers_reference": REFERENCE, "epd": kernels}
 _NAMES = ("chunk_gated_delta_rule", "recurrent_gated_delta_step", "causal_conv1d", "causal_conv1d_step")
 
 
@@ -95,67 +101,65 @@ def _decode_once(runner, batch, tokens) -> float:
 
 
 def run(model_dir: str, prompt_tokens: int, batch_sizes: list[int], rounds: int, dtype: str) -> dict:
-    runner = lm.TextModelRunner.load(model_dir, dtype=dtype)
-    vocab = runner.lm_head_weight.shape[0]
+    dense = lm.TextModelRunner.load(model_dir, dtype=dtype, prepack=False)
+    configs = {"reference": (dense, REFERENCE), "epd_kernels": (dense, kernels)}
+    if kernels.can_prepack(dense.device, dense.dtype):
+        configs["epd_kernels_packed"] = (lm.TextModelRunner.load(model_dir, dtype=dtype), kernels)
+    vocab = dense.lm_head_weight.shape[0]
     ids = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     pos, _ = positions.mrope_positions(prompt_tokens, [])
-    state = runner.new_state()
-    runner.forward(runner.embed(ids), pos, state)  # warm-up, and the context every decode slot starts from
-    results = {name: {"prefill_s": [], "prefill_kernel_s": [], "decode": {b: [] for b in batch_sizes},
-                      "decode_kernel": {b: [] for b in batch_sizes}} for name in KERNEL_SETS}
-    for round_ in range(rounds + 1):  # round 0 warms each set up (first-call costs) and is dropped
-        for name, module in KERNEL_SETS.items():
-            row, timer = results[name], [0.0]
-            with kernel_set(module, timer):
-                row["prefill_s"].append(_prefill_once(runner, ids, pos))
-                row["prefill_kernel_s"].append(timer[0])
-                for size in batch_sizes:
-                    batch = runner.new_batch()
-                    for _ in range(size):
-                        batch.add(state.clone())
-                    _decode_once(runner, batch, [1] * size)  # warm-up step
-                    timer[0] = 0.0
-                    row["decode"][size].append(_decode_once(runner, batch, [2] * size))
-                    row["decode_kernel"][size].append(timer[0])
-            if round_ == 0:
-                row["prefill_s"].clear(), row["prefill_kernel_s"].clear()
-                for size in batch_sizes:
-                    row["decode"][size].clear(), row["decode_kernel"][size].clear()
-    return _report(model_dir, dtype, prompt_tokens, batch_sizes, rounds, results)
+    context = dense.new_state()  # every decode slot starts from this prompt's state
+    dense.forward(dense.embed(ids), pos, context)
+    samples = {name: [] for name in configs}
+    for round_ in range(rounds + 1):
+        for name, (runner, module) in configs.items():
+            sample = _measure(runner, module, ids, pos, context, batch_sizes)
+            if round_:
+                samples[name].append(sample)
+    return _report(model_dir, dtype, prompt_tokens, batch_sizes, rounds, samples)
 
 
-def _report(model_dir, dtype, prompt_tokens, batch_sizes, rounds, results) -> dict:
-    med = statistics.median
-    sets = {}
-    for name, row in results.items():
-        sets[name] = {
-            "prefill_s": med(row["prefill_s"]), "prefill_min_s": min(row["prefill_s"]),
-            "prefill_kernel_s": med(row["prefill_kernel_s"]),
-            "decode_step_s": {str(b): med(row["decode"][b]) for b in batch_sizes},
-            "decode_kernel_s": {str(b): med(row["decode_kernel"][b]) for b in batch_sizes},
-        }
-    ref, ours = sets["transformers_reference"], sets["epd"]
+def _measure(runner, module, ids, pos, context, batch_sizes) -> dict:
+    """One prefill forward and one decode step per batch size; seconds, total and in kernels."""
+    timer = [0.0]
+    sample = {}
+    with kernel_set(module, timer):
+        sample["prefill_s"] = _prefill_once(runner, ids, pos)
+        sample["prefill_kernel_s"] = timer[0]
+        for size in batch_sizes:
+            batch = runner.new_batch()
+            for _ in range(size):
+                batch.add(context.clone())
+            _decode_once(runner, batch, [1] * size)  # the step's own first-call costs
+            timer[0] = 0.0
+            sample[f"decode_b{size}_s"] = _decode_once(runner, batch, [2] * size)
+            sample[f"decode_b{size}_kernel_s"] = timer[0]
+    return sample
+
+
+def _report(model_dir, dtype, prompt_tokens, batch_sizes, rounds, samples) -> dict:
+    rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
+            for name, runs in samples.items()}
+    keys = ["prefill_s"] + [f"decode_b{b}_s" for b in batch_sizes]
+    base = rows["reference"]
+    ratios = {name: {key: base[key] / row[key] for key in keys} for name, row in rows.items() if name != "reference"}
     return {
         "model": model_dir, "dtype": dtype, "prompt_tokens": prompt_tokens, "rounds": rounds,
-        "torch_threads": torch.get_num_threads(), "sets": sets,
-        "speedup": {
-            "prefill": ref["prefill_s"] / ours["prefill_s"],
-            "prefill_kernels": ref["prefill_kernel_s"] / ours["prefill_kernel_s"],
-            **{f"decode_b{b}": ref["decode_step_s"][str(b)] / ours["decode_step_s"][str(b)] for b in batch_sizes},
-        },
+        "statistic": "median over rounds", "torch_threads": torch.get_num_threads(), "configs": rows,
+        "speedup_over_reference": ratios,
         "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
 def _print(report: dict) -> None:
-    print(f"{'kernels':<24} {'prefill s':>10} {'in kernels':>11}" +
-          "".join(f" {'b' + b + ' step ms':>13} {'in kernels':>11}" for b in report["sets"]["epd"]["decode_step_s"]))
-    for name, row in report["sets"].items():
-        line = f"{name:<24} {row['prefill_s']:>10.3f} {row['prefill_kernel_s']:>11.3f}"
-        for b, step in row["decode_step_s"].items():
-            line += f" {step * 1e3:>13.1f} {row['decode_kernel_s'][b] * 1e3:>11.1f}"
-        print(line)
-    print("speedup (reference / epd): " + ", ".join(f"{k} {v:.2f}x" for k, v in report["speedup"].items()))
+    rows = report["configs"]
+    keys = [key for key in next(iter(rows.values())) if not key.endswith("kernel_s")]
+    print(f"{'config':<20}" + "".join(f" {key[:-2] + ' ms':>16} {'in kernels':>11}" for key in keys))
+    for name, row in rows.items():
+        print(f"{name:<20}" + "".join(f" {row[key] * 1e3:>16.1f} {row[key[:-2] + '_kernel_s'] * 1e3:>11.1f}"
+                                      for key in keys))
+    for name, ratios in report["speedup_over_reference"].items():
+        print(f"{name} vs reference: " + ", ".join(f"{key[:-2]} {value:.2f}x" for key, value in ratios.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

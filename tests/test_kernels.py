@@ -301,3 +301,17 @@ def test_runner_prepacks_every_linear_and_keeps_its_results(tiny_model_dir):
         logits.append((first, step))
     for got, want in zip(logits[0], logits[1]):
         torch.testing.assert_close(got, want, atol=ATOL_FP32, rtol=0)
+
+
+def test_prefill_computes_the_lm_head_for_the_last_token_only(tiny_model_dir):
+    """A prompt's forward returns the last token's hidden state only, so its logits are one row
+    of the LM head, not T rows (the head is a third of the model's FLOPs per row)."""
+    runner = TextModelRunner.load(tiny_model_dir)
+    rows = []
+    head = runner.lm_head
+    runner.lm_head = lambda hidden: rows.append(hidden.shape) or head(hidden)
+    ids = torch.arange(3, 40)
+    pos, _ = positions.mrope_positions(len(ids), [])
+    logits = runner.logits(runner.forward(runner.embed(ids), pos, runner.new_state()))
+    assert rows == [torch.Size([runner.model.config.hidden_size])]
+    assert logits.shape == (runner.lm_head_weight.shape[0],)
