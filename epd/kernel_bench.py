@@ -19,7 +19,9 @@ row reports the forward's time and the part of it spent inside the GDN/conv kern
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -140,12 +142,14 @@ def _measure(runner, module, ids, pos, context, batch_sizes) -> dict:
 def _report(model_dir, dtype, prompt_tokens, batch_sizes, rounds, samples) -> dict:
     rows = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
             for name, runs in samples.items()}
+    fastest = {name: {key: min(s[key] for s in runs) for key in runs[0]} for name, runs in samples.items()}
     keys = ["prefill_s"] + [f"decode_b{b}_s" for b in batch_sizes]
     base = rows["reference"]
     ratios = {name: {key: base[key] / row[key] for key in keys} for name, row in rows.items() if name != "reference"}
     return {
         "model": model_dir, "dtype": dtype, "prompt_tokens": prompt_tokens, "rounds": rounds,
         "statistic": "median over rounds", "torch_threads": torch.get_num_threads(), "configs": rows,
+        "configs_min": fastest, "load_average": os.getloadavg(),
         "speedup_over_reference": ratios,
         "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -162,6 +166,43 @@ def _print(report: dict) -> None:
         print(f"{name} vs reference: " + ", ".join(f"{key[:-2]} {value:.2f}x" for key, value in ratios.items()))
 
 
+def run_micro(model_dir: str, prompt_tokens: int, chunk_sizes: list[int], rounds: int) -> dict:
+    """The GDN kernels alone at the checkpoint's layer shapes, on random inputs: transformers'
+    chunked rule (chunk 64) against epd's at each of ``chunk_sizes``, and the chunk's causal
+    conv. Fastest of ``rounds`` alternating calls, in milliseconds."""
+    from epd.checkpoint import read_config
+
+    cfg = read_config(model_dir).text_config
+    k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    k_dim, v_dim, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    t = prompt_tokens
+    q, k, v = rand(1, t, k_heads, k_dim), rand(1, t, k_heads, k_dim), rand(1, t, v_heads, v_dim)
+    g, beta = -torch.rand(1, t, v_heads, generator=gen), torch.rand(1, t, v_heads, generator=gen)
+    channels = 2 * k_heads * k_dim + v_heads * v_dim
+    x, weight, window = rand(1, t, channels).transpose(1, 2), rand(channels, kernel), rand(1, channels, kernel)
+    calls = {"gdn_reference": lambda: _ref_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                 output_final_state=True)}
+    for size in chunk_sizes:
+        calls[f"gdn_epd_chunk{size}"] = functools.partial(
+            kernels.chunk_gated_delta_rule, q, k, v, g, beta, chunk_size=size, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    calls["conv_reference"] = lambda: _ref_conv(x, weight, None, "silu", window)
+    calls["conv_epd"] = lambda: kernels.causal_conv1d(x, weight, None, "silu", window)
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.inference_mode():
+        for _ in range(rounds + 1):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return {"model": model_dir, "prompt_tokens": t, "statistic": "fastest of rounds",
+            "ms": {name: s * 1e3 for name, s in best.items()}, "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(), "machine": machine_info(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd.kernel_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -170,10 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json")
+    parser.add_argument("--micro", metavar="CHUNK_SIZES",
+                        help="time the GDN kernels alone at these chunk sizes (e.g. 16,32,64) instead")
     args = parser.parse_args(argv)
-    report = run(args.model, args.prompt_tokens, [int(b) for b in args.batch_sizes.split(",")], args.rounds,
-                 args.dtype)
-    _print(report)
+    if args.micro:
+        report = run_micro(args.model, args.prompt_tokens, [int(c) for c in args.micro.split(",")],
+                           max(args.rounds, 10))
+        print("  ".join(f"{name} {ms:.2f} ms" for name, ms in report["ms"].items()))
+    else:
+        report = run(args.model, args.prompt_tokens, [int(b) for b in args.batch_sizes.split(",")],
+                     args.rounds, args.dtype)
+        _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

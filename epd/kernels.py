@@ -86,9 +86,9 @@ def chunk_gated_delta_rule(
 
     u, w, intra, query, key, chunk_decay = _chunk_intra(query, key, value, beta, cum)
     state = _initial_state(initial_state, batch, heads, k_dim, value.shape[-1], value.device)
-    out = _chunk_scan(u, w, intra, query, key, chunk_decay, state)
-    out = out.view(batch, heads, padded, -1)[:, :, :length].transpose(1, 2)
-    return out.to(out_dtype, memory_format=torch.contiguous_format), state if output_final_state else None
+    out = u.new_empty(batch, length, heads, value.shape[-1], dtype=out_dtype)
+    _chunk_scan(u, w, intra, query, key, chunk_decay, state, out)
+    return out, state if output_final_state else None
 
 
 def _chunk_intra(query, key, value, beta, cum):
@@ -125,16 +125,19 @@ def _initial_state(initial, batch, heads, k_dim, v_dim, device) -> torch.Tensor:
     return initial.to(device=device, dtype=torch.float32, copy=True)  # the caller's tensor stays as it was
 
 
-def _chunk_scan(u, w, intra, query, key, chunk_decay, state):
+def _chunk_scan(u, w, intra, query, key, chunk_decay, state, out):
     """The sequential part: per chunk, subtract what the carried state already predicts from the
     chunk's values (the delta rule), read the state for the queries, and fold the chunk in
-    (``state`` is updated in place). Returns the outputs ``[B, H, chunks, chunk, v_dim]``."""
+    (``state`` is updated in place). Each chunk's output is written straight into ``out``
+    ``[B, T, H, v_dim]`` (the caller's layout and dtype; padding rows are dropped)."""
+    chunk, length = u.shape[-2], out.shape[1]
     key_t = key.transpose(-1, -2)
-    out = torch.empty_like(u)
     for i in range(u.shape[2]):
         v_new = u[:, :, i] - w[:, :, i] @ state
-        torch.matmul(query[:, :, i], state, out=out[:, :, i])
-        out[:, :, i] += intra[:, :, i] @ v_new
+        chunk_out = (query[:, :, i] @ state).add_(intra[:, :, i] @ v_new)  # [B, H, C, v_dim]
+        start = i * chunk
+        rows = min(chunk, length - start)
+        out[:, start : start + rows] = chunk_out[:, :, :rows].transpose(1, 2)
         state.mul_(chunk_decay[:, :, i, None, None]).add_(key_t[:, :, i] @ v_new)
     return out
 
