@@ -143,8 +143,17 @@ def machine_info() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),  # MKL and oneDNN rank differently on Intel and AMD CPUs
         "torch": torch.__version__,
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _sync(device: torch.device) -> None:

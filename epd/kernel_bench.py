@@ -203,6 +203,36 @@ def run_micro(model_dir: str, prompt_tokens: int, chunk_sizes: list[int], rounds
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def run_gemm(model_dir: str, rows: list[int], rounds: int, dtype: str) -> dict:
+    """Every linear layer of the language model once (a forward's GEMMs: projections, MLPs, the
+    LM head) at each row count of ``rows``: ATen's ``F.linear`` against ``PackedLinear``. The
+    weights are the checkpoint's, so each pass streams them from memory as a forward does.
+    Fastest of ``rounds`` alternating passes, in milliseconds, with the FLOP rate."""
+    dense = lm.TextModelRunner.load(model_dir, dtype=dtype, prepack=False)
+    weights = [m.weight for m in dense.model.modules() if type(m) is torch.nn.Linear]
+    weights.append(dense.lm_head_weight)
+    packed = [kernels.PackedLinear(w) for w in weights]
+    params = sum(w.numel() for w in weights)
+    report = {"model": model_dir, "dtype": dtype, "linear_params": params, "statistic": "fastest of rounds",
+              "rows": {}, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+              "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    passes = {"f_linear": [functools.partial(torch.nn.functional.linear, weight=w) for w in weights],
+              "packed": packed}
+    with torch.inference_mode():
+        for count in rows:
+            inputs = {w.shape[1]: torch.randn(count, w.shape[1], dtype=dense.dtype) for w in weights}
+            best = dict.fromkeys(passes, float("inf"))
+            for _ in range(rounds + 1):
+                for name, layers in passes.items():
+                    start = time.perf_counter()
+                    for layer, w in zip(layers, weights):
+                        layer(inputs[w.shape[1]])
+                    best[name] = min(best[name], time.perf_counter() - start)
+            report["rows"][str(count)] = {name: {"ms": t * 1e3, "gflop_s": 2 * count * params / t / 1e9}
+                                          for name, t in best.items()}
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd.kernel_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -213,8 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--micro", metavar="CHUNK_SIZES",
                         help="time the GDN kernels alone at these chunk sizes (e.g. 16,32,64) instead")
+    parser.add_argument("--gemm", metavar="ROWS",
+                        help="time every linear layer once at these row counts (e.g. 1,16,240) instead")
     args = parser.parse_args(argv)
-    if args.micro:
+    if args.gemm:
+        report = run_gemm(args.model, [int(r) for r in args.gemm.split(",")], args.rounds, args.dtype)
+        for count, row in report["rows"].items():
+            print(f"M={count:>4} " + "  ".join(f"{name} {v['ms']:.1f} ms ({v['gflop_s']:.0f} GFLOP/s)"
+                                              for name, v in row.items()))
+    elif args.micro:
         report = run_micro(args.model, args.prompt_tokens, [int(c) for c in args.micro.split(",")],
                            max(args.rounds, 10))
         print("  ".join(f"{name} {ms:.2f} ms" for name, ms in report["ms"].items()))
