@@ -22,29 +22,44 @@ from transformers.activations import ACT2FN
 _L2_EPS = 1e-6  # transformers' l2norm epsilon (matches the FLA library)
 
 
-def l2norm(x: torch.Tensor, dim: int = -1, eps: float = _L2_EPS) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+def _inverse_norm(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale / sqrt(|x|^2 + eps)`` over the last dim, float32, keepdim: transformers' l2norm
+    factor (eps inside the root, as the FLA library does), computed without a temporary x*x."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return norm.square_().add_(_L2_EPS).rsqrt_().mul_(scale)
 
 
 def _heads_first_float32(query, key, value, g, beta, use_qk_l2norm: bool, pad: int = 0):
-    """[B, T, heads, dim] inputs -> float32 [B, v_heads, T + pad, dim] (zero rows appended),
-    keys/queries repeated for GQA (each key head serves num_v_heads // num_k_heads consecutive
-    value heads), queries scaled by 1/sqrt(k_dim). ``g``/``beta`` become [B, v_heads, T + pad]."""
-    num_k_heads, num_v_heads = key.shape[2], value.shape[2]
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, g, beta = (_transpose_pad(t, pad) for t in (query, key, value, g, beta))
+    """[B, T, heads, dim] inputs -> float32 [B, v_heads, T + pad, dim] (zero rows appended), keys
+    and queries repeated for GQA (each key head serves num_v_heads // num_k_heads consecutive
+    value heads), L2-normalised if asked, queries scaled by 1/sqrt(k_dim); ``g``/``beta`` become
+    [B, v_heads, T + pad]. Each tensor is written once: repeat, normalisation and scaling happen
+    in the transposing copy."""
+    num_v_heads, k_dim = value.shape[2], key.shape[-1]
+    q_scale, k_scale = k_dim**-0.5, None
     if use_qk_l2norm:
-        query, key = l2norm(query), l2norm(key)
-    return query * query.shape[-1] ** -0.5, key, value, g, beta
+        q_scale, k_scale = _inverse_norm(query, q_scale), _inverse_norm(key)
+    query = _heads_first(query, pad, num_v_heads, q_scale)
+    key = _heads_first(key, pad, num_v_heads, k_scale)
+    value, g, beta = (_heads_first(t, pad, num_v_heads) for t in (value, g, beta))
+    return query, key, value, g, beta
 
 
-def _transpose_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
-    """[B, T, H, ...] -> contiguous float32 [B, H, T + pad, ...], padding rows zero: one copy."""
-    batch, length, heads = x.shape[:3]
-    out = x.new_empty((batch, heads, length + pad, *x.shape[3:]), dtype=torch.float32)
-    out[:, :, :length] = x.transpose(1, 2)
+def _heads_first(x: torch.Tensor, pad: int, heads: int, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """[B, T, h, ...] -> contiguous float32 [B, heads, T + pad, ...], padding rows zero, each of
+    the h input heads repeated for heads // h consecutive output heads, times ``scale`` (a
+    number or [B, T, h, 1]) if given: one pass over the output."""
+    batch, length, h = x.shape[:3]
+    rest = x.shape[3:]
+    out = x.new_empty((batch, heads, length + pad, *rest), dtype=torch.float32)
+    dest = out.view(batch, h, heads // h, length + pad, *rest)[:, :, :, :length]
+    source = x.transpose(1, 2).unsqueeze(2).expand(dest.shape)  # a view: repeated by broadcasting
+    if scale is None:
+        dest.copy_(source)
+    else:
+        if isinstance(scale, torch.Tensor):
+            scale = scale.transpose(1, 2).unsqueeze(2)
+        torch.mul(source, scale, out=dest)
     if pad:
         out[:, :, length:] = 0.0
     return out
