@@ -6,11 +6,14 @@ This module owns the arithmetic of a linear-attention layer: the chunked gated d
 for one token, each carrying its state the way ``epd.lm.HybridState`` stores it (the conv window
 holds the last ``kernel`` inputs; the recurrent state is float32 ``[B, v_heads, k_dim, v_dim]``).
 
-Why not transformers' functions: they warn that they are "reference" code, the chunked rule solves
-its triangular system twice per chunk and reads the state three times per chunk, and installing
-the packages they would defer to (flash-linear-attention, causal-conv1d) does not help on a CPU
-(Triton and CUDA only; see docs/bench/kernels.md). Everything here is plain torch, so the same
-code runs on CUDA. Accumulation is float32 wherever transformers keeps it in float32.
+Why not transformers' functions: they are its "reference" fallbacks (the chunked rule solves its
+triangular system twice per chunk and makes several extra passes over its inputs; the per-token
+rule reads the recurrent state a dozen times), and the packages they would defer to
+(flash-linear-attention, causal-conv1d) do not run on a CPU (Triton and CUDA only; see
+docs/bench/kernels.md). The GDN kernels are plain torch, so the same code runs on CUDA.
+Accumulation is float32 wherever transformers keeps it in float32.
+
+It also owns ``PackedLinear``, the runner's linear layers on a CPU (oneDNN with pre-packed weights).
 """
 
 from __future__ import annotations
