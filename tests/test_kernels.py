@@ -315,3 +315,40 @@ def test_prefill_computes_the_lm_head_for_the_last_token_only(tiny_model_dir):
     logits = runner.logits(runner.forward(runner.embed(ids), pos, runner.new_state()))
     assert rows == [torch.Size([runner.model.config.hidden_size])]
     assert logits.shape == (runner.lm_head_weight.shape[0],)
+
+
+def test_kernel_bench_reports_every_configuration(tiny_model_dir, tmp_path, monkeypatch):
+    """`python -m epd.kernel_bench` on the tiny checkpoint: complete reports (not a speed check),
+    and its reference configuration really runs transformers' functions."""
+    import json
+
+    from epd import kernel_bench
+
+    used = set()
+    for name in _REFERENCE:
+        def spy(*args, _name=name, _fn=getattr(qm, name), **kwargs):
+            used.add(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(qm, name, spy)
+    out = tmp_path / "bench.json"
+    assert kernel_bench.main(["--model", tiny_model_dir, "--prompt-tokens", "20", "--batch-sizes", "1,2",
+                              "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert used == set(_REFERENCE)
+    expected = {"reference", "epd_kernels"} | ({"epd_kernels_packed"} if kernels.can_prepack(
+        torch.device("cpu"), torch.float32) else set())
+    assert set(report["configs"]) == expected
+    for row in report["configs"].values():
+        assert set(row) == {"prefill_s", "prefill_kernel_s", "decode_b1_s", "decode_b1_kernel_s",
+                            "decode_b2_s", "decode_b2_kernel_s"}
+        assert all(value > 0 for value in row.values())
+        assert row["prefill_kernel_s"] < row["prefill_s"]
+    assert set(report["speedup_over_reference"]) == expected - {"reference"}
+
+    assert kernel_bench.main(["--model", tiny_model_dir, "--micro", "8,16", "--prompt-tokens", "20",
+                              "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())["ms"]) == {"gdn_reference", "gdn_epd_chunk8", "gdn_epd_chunk16",
+                                                      "conv_reference", "conv_epd"}
+    assert kernel_bench.main(["--model", tiny_model_dir, "--gemm", "1,4", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1", "4"} and all(v["ms"] > 0 for row in rows.values() for v in row.values())
