@@ -78,6 +78,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
     _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
+    _flag("--prepack", "serve.prefill.prepack", "serve.decode.prepack",
+          help="on a CPU, run the language model's linear layers through oneDNN with pre-packed weights "
+               "(2-4x faster here; a second copy of the weights in memory, ~3 GB for the 0.8b model in float32)"),
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),
@@ -131,7 +134,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
         cls, name = _field(flag.paths[0])
         kind = _type(cls, name)
         options: dict = {"dest": flag.dest, "default": argparse.SUPPRESS, "required": flag.required,
-                         "type": kind, "metavar": flag.metavar or _METAVARS[kind]}
+                         "type": kind, "metavar": flag.metavar or _METAVARS.get(kind)}
+        if kind is bool:  # --prepack / --no-prepack
+            options = {"dest": flag.dest, "default": argparse.SUPPRESS, "action": argparse.BooleanOptionalAction}
         if name == "dtype":
             options["choices"] = DTYPE_CHOICES
             del options["metavar"]
@@ -190,7 +195,7 @@ def _field(path: str) -> tuple[type, str]:
 
 def _type(cls: type, name: str):
     kind = typing.get_type_hints(cls)[name]
-    if kind in (int, float, str):
+    if kind in (int, float, str, bool):
         return kind
     if typing.get_origin(kind) in (typing.Union, types.UnionType):  # ``str | None``
         return next(arg for arg in typing.get_args(kind) if arg is not type(None))

@@ -88,7 +88,7 @@ class DecodeServer(rpc.RoleServer):
         config = serve.decode
         configure_threads(config.num_threads)
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))

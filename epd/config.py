@@ -90,6 +90,9 @@ class LMConfig:
     """Weights and activations dtype of the language model."""
     num_threads: int = 0
     """torch threads of the role; 0: every core it may run on."""
+    prepack: bool = True
+    """On a CPU, run the linear layers through oneDNN with pre-packed weights (2-4x faster here;
+    costs a second copy of the weights in memory, ~3 GB for the 0.8b model in float32)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_CHOICES, f"{self.section}.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
