@@ -78,9 +78,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
     _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
-    _flag("--prepack", "serve.prefill.prepack", "serve.decode.prepack",
-          help="on a CPU, run the language model's linear layers through oneDNN with pre-packed weights "
-               "(2-4x faster here; a second copy of the weights in memory, ~3 GB for the 0.8b model in float32)"),
+    _flag("--prepack", "serve.encode.prepack", "serve.prefill.prepack", "serve.decode.prepack",
+          help="on a CPU, run the linear layers of every model role through oneDNN with pre-packed weights "
+               "(2-4x faster here; a second copy of the weights in memory, ~3 GB for the 0.8b LM in float32)"),
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),

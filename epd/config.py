@@ -73,6 +73,8 @@ class EncodeConfig:
     """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs alone)."""
     dtype: str = "float32"
     """Weights and activations dtype of the vision tower."""
+    prepack: bool = True
+    """On a CPU, run the vision tower's linear layers through oneDNN with pre-packed weights."""
 
     def __post_init__(self) -> None:
         _check_range(self.max_batch_patches, 1, 1 << 24, "encode.max_batch_patches")
