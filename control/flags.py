@@ -54,6 +54,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--default-max-tokens", "serve.router.default_max_tokens"),
     _flag("--request-timeout-s", "serve.router.request_timeout_s"),
     _flag("--max-queued-requests", "serve.router.max_queued_requests"),
+    _flag("--max-images-per-request", "serve.router.max_images_per_request"),
+    _flag("--max-request-mb", "serve.router.max_request_mb"),
+    _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),
@@ -86,7 +89,9 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
         cls, name = _field(flag.paths[0])
         kind = _type(cls, name)
         options: dict = {"dest": flag.dest, "default": argparse.SUPPRESS, "required": flag.required,
-                         "type": kind, "metavar": flag.metavar or _METAVARS[kind]}
+                         "type": kind, "metavar": flag.metavar or _METAVARS.get(kind)}
+        if kind is bool:  # a switch: present sets the field to True
+            options = {"dest": flag.dest, "default": argparse.SUPPRESS, "action": "store_true"}
         if name == "dtype":
             options["choices"] = DTYPE_CHOICES
             del options["metavar"]
@@ -145,7 +150,7 @@ def _field(path: str) -> tuple[type, str]:
 
 def _type(cls: type, name: str):
     kind = typing.get_type_hints(cls)[name]
-    if kind in (int, float, str):
+    if kind in (int, float, str, bool):
         return kind
     if typing.get_origin(kind) in (typing.Union, types.UnionType):  # ``str | None``
         return next(arg for arg in typing.get_args(kind) if arg is not type(None))

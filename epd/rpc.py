@@ -210,7 +210,9 @@ class RoleServer:
     port: int
 
     def _serve(self, services: Iterable[Service], host: str, port: int = 0,
-               healthy: Callable[[], bool] = lambda: True) -> None:
+               healthy: Callable[[], bool] = lambda: True, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """``max_receive_bytes``: the largest request message the server reads (a public service
+        sets it far below the internal hops' cap); gRPC refuses a bigger one with RESOURCE_EXHAUSTED."""
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]
@@ -219,7 +221,7 @@ class RoleServer:
         self.events = EventLoop(self._service_names[0].rsplit(".", 1)[-1].lower())
         self._in_flight = InFlightCounter()
         self.server, self.port, self._health = self.events.run(_start_server(services, self.host, port,
-                                                                             self._in_flight))
+                                                                             self._in_flight, max_receive_bytes))
         self.events.run(_report_health(self))
         self._health_task = asyncio.run_coroutine_threadsafe(_health_loop(self), self.events.loop)
 
@@ -260,8 +262,10 @@ class RoleServer:
 # Module functions, not methods: Ray would take a class with an ``async def`` for an async actor.
 
 
-async def _start_server(services: list[Service], host: str, port: int, in_flight: InFlightCounter):
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[in_flight])
+async def _start_server(services: list[Service], host: str, port: int, in_flight: InFlightCounter,
+                        max_receive_bytes: int = MAX_MESSAGE_BYTES):
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=[in_flight])
     for add, servicer, _ in services:
         add(servicer, server)
     health = health_aio.HealthServicer()
