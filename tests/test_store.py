@@ -1,7 +1,7 @@
 """The embedding store against a real embedded redis-server."""
 
-import os
 import json
+import os
 import struct
 import time
 
