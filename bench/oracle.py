@@ -90,9 +90,10 @@ class Oracle:
         return self._generate(self.inputs(prompt, list(images), max_pixels, split_special_tokens), max_new_tokens)
 
     def generate_chat(self, messages: list[ChatMessage], max_new_tokens: int = 32,
-                      max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+                      max_pixels: int | None = None, split_special_tokens: bool = False
+                      ) -> tuple[list[int], torch.Tensor, int]:
         """``generate`` for a whole conversation (see ``chat_inputs``)."""
-        return self._generate(self.chat_inputs(messages, max_pixels), max_new_tokens)
+        return self._generate(self.chat_inputs(messages, max_pixels, split_special_tokens), max_new_tokens)
 
     @torch.no_grad()
     def _generate(self, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch.Tensor, int]:

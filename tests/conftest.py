@@ -12,6 +12,11 @@ import time
 
 import psutil
 import pytest
+from hypothesis import settings
+
+# Property tests are reproducible (a fixed seed per test) and leave no example database behind.
+settings.register_profile("epd", derandomize=True, database=None)
+settings.load_profile("epd")
 
 READY_PREFIX = "epd ready at "
 
