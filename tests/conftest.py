@@ -14,8 +14,9 @@ import psutil
 import pytest
 from hypothesis import settings
 
-# Property tests are reproducible (a fixed seed per test) and leave no example database behind.
-settings.register_profile("epd", derandomize=True, database=None)
+# Property tests are reproducible (a fixed seed per test), leave no example database behind, and
+# have no per-example deadline (a loaded 2-core machine makes timings meaningless).
+settings.register_profile("epd", derandomize=True, database=None, deadline=None)
 settings.load_profile("epd")
 
 READY_PREFIX = "epd ready at "
