@@ -106,6 +106,15 @@ def test_a_request_past_the_size_cap_is_refused_by_grpc_and_one_below_it_is_read
     still_serving(addr)
 
 
+def test_stop_strings_are_bounded(addr):
+    """Every streamed token is checked against each stop string on the router's event loop."""
+    error = refused(addr, client.user_request("Stop.", max_tokens=2, stop=["x"] * 17))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 16 stop strings" in error.details()
+    error = refused(addr, client.user_request("Stop.", max_tokens=2, stop=["x" * 1001]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000 characters" in error.details()
+    assert run(addr, "Stop.", max_tokens=2, stop=["x" * 1000] * 16).summary.completion_tokens >= 1
+
+
 # ---------------------------------------------------------------- a forged handoff
 
 
