@@ -47,8 +47,9 @@ class Receiver:
     """Rebuilds a handoff chunk by chunk without trusting its header.
 
     With the receiving model's ``runner``, the header is checked against the model before anything
-    is kept: the prompt length within the model's positions, the first token within its
-    vocabulary, and exactly the tensors a state of that length has (names, shapes, dtypes). Without
+    is kept: the prompt length, and the prompt plus the tokens still to generate, within the
+    model's positions, the first token within its vocabulary, and exactly the tensors a state of
+    that length has (names, shapes, dtypes). Without
     one, each spec must still be a supported dtype and non-negative sizes. Either way bytes are
     kept only up to what the header lists, so a forged or corrupt stream costs at most the size of
     a real state, and tensors are built only once every byte has arrived. Raises ValueError."""
@@ -115,6 +116,11 @@ class Receiver:
             raise ValueError(f"handoff prompt_len is {header.prompt_len}; must be in [1, {max_len}]")
         if not 0 <= header.first_token < runner.vocab_size:
             raise ValueError(f"handoff first_token is {header.first_token}; the vocabulary has {runner.vocab_size}")
+        # Decode's K/V grows by a token a step: the last position it would reach must exist.
+        last = header.prompt_len + header.sampling.max_tokens - max(1, header.num_generated)
+        if last > max_len:
+            raise ValueError(f"handoff asks for {header.sampling.max_tokens} tokens after a {header.prompt_len}-token "
+                             f"prompt, past the model's {max_len} positions")
         want = runner.state_shapes(header.prompt_len)
         have = {spec.name: spec for spec in header.tensors}
         if have.keys() != want.keys():

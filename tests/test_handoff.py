@@ -222,7 +222,10 @@ def _with_header(parts, **changes):
     header = epd_pb2.HandoffHeader()
     header.CopyFrom(parts[0].header)
     for name, value in changes.items():
-        setattr(header, name, value)
+        if isinstance(value, epd_pb2.ResolvedSampling):
+            getattr(header, name).CopyFrom(value)
+        else:
+            setattr(header, name, value)
     return [epd_pb2.HandoffChunk(header=header), *parts[1:]]
 
 
@@ -255,6 +258,18 @@ def _refused_at_header(runner, parts, match):
 @pytest.mark.parametrize("prompt_len", [0, -3, 2**31 - 1])
 def test_a_forged_prompt_length_is_refused_before_anything_is_kept(runner, real, prompt_len):
     _refused_at_header(runner, _with_header(real[1], prompt_len=prompt_len), "prompt_len")
+
+
+def test_a_request_that_would_grow_past_the_model_positions_is_refused(runner, real):
+    """Decode's K/V grows a token per step: max_tokens past the model's positions is refused up
+    front, not after the memory is spent (a resumed request counts what it already generated)."""
+    max_len = runner.model.config.max_position_embeddings
+    parts = real[1]
+    sampling = epd_pb2.ResolvedSampling(max_tokens=max_len - 9 + 2)
+    _refused_at_header(runner, _with_header(parts, sampling=sampling), "past the model's")
+    fits = epd_pb2.ResolvedSampling(max_tokens=max_len - 9 + 1)
+    handoff.receive(_with_header(parts, sampling=fits), runner.num_layers, runner=runner)
+    handoff.receive(_with_header(parts, sampling=sampling, num_generated=2), runner.num_layers, runner=runner)
 
 
 @pytest.mark.parametrize("token", [-1, 10**9])
