@@ -49,10 +49,10 @@ class Receiver:
     With the receiving model's ``runner``, the header is checked against the model before anything
     is kept: the prompt length, and the prompt plus the tokens still to generate, within the
     model's positions, the first token within its vocabulary, and exactly the tensors a state of
-    that length has (names, shapes, dtypes). Without
-    one, each spec must still be a supported dtype and non-negative sizes. Either way bytes are
-    kept only up to what the header lists, so a forged or corrupt stream costs at most the size of
-    a real state, and tensors are built only once every byte has arrived. Raises ValueError."""
+    that length has (names, shapes, dtypes). Without one, each spec must still be a supported
+    dtype and non-negative sizes. Either way bytes are kept only up to what the header lists, so a
+    forged or corrupt stream costs at most the size of a real state, and tensors are built only
+    once every byte has arrived. Raises ValueError."""
 
     def __init__(self, num_layers: int, device: torch.device | str = "cpu", runner: TextModelRunner | None = None):
         self.num_layers = num_layers
