@@ -66,6 +66,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--default-max-tokens", "serve.router.default_max_tokens"),
     _flag("--request-timeout-s", "serve.router.request_timeout_s"),
     _flag("--max-queued-requests", "serve.router.max_queued_requests"),
+    _flag("--max-images-per-request", "serve.router.max_images_per_request"),
+    _flag("--max-request-mb", "serve.router.max_request_mb"),
+    _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),
@@ -135,7 +138,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
         kind = _type(cls, name)
         options: dict = {"dest": flag.dest, "default": argparse.SUPPRESS, "required": flag.required,
                          "type": kind, "metavar": flag.metavar or _METAVARS.get(kind)}
-        if kind is bool:  # --prepack / --no-prepack
+        if kind is bool:  # --switch / --no-switch
             options = {"dest": flag.dest, "default": argparse.SUPPRESS, "action": argparse.BooleanOptionalAction}
         if name == "dtype":
             options["choices"] = DTYPE_CHOICES

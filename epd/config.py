@@ -163,9 +163,19 @@ class RouterConfig:
     max_queued_requests: int = 0
     """Requests one router lets wait (accepted, first token not yet streamed) before it refuses
     more with RESOURCE_EXHAUSTED; 0: no limit. Requests resumed after a decode worker died always pass."""
+    max_images_per_request: int = 16
+    """The most images one request may carry; more is INVALID_ARGUMENT."""
+    max_request_mb: int = 64
+    """Largest public request message in MiB (images included); a bigger one is refused by gRPC
+    with RESOURCE_EXHAUSTED before it is read. Calls between roles have their own, larger cap."""
+    allow_special_tokens: bool = False
+    """Trusted callers only: control tokens in request text (<|im_start|>, <|im_end|>, ...) are
+    tokenized as the tokens they name instead of as plain text, so a caller can write turns itself."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
+        _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
+        _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
         _check_range(self.max_queued_requests, 0, 1 << 20, "router.max_queued_requests")
         _check_range(self.max_tokens_limit, 1, 1 << 20, "router.max_tokens_limit")
         _check_range(self.default_max_tokens, 1, self.max_tokens_limit, "router.default_max_tokens")

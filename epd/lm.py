@@ -163,9 +163,18 @@ class TextModelRunner:
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
 
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype of the state tensor ``name``: the model's, except the recurrent state, which
+        transformers' gated delta rule keeps in float32."""
+        return torch.float32 if name.startswith("recurrent.") else self.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed_tokens.num_embeddings
+
     def check_state(self, state: HybridState) -> None:
         """Raise ValueError unless ``state`` is exactly a state of this model holding
-        ``state.num_tokens`` tokens: checked before anything is sized from it."""
+        ``state.num_tokens`` tokens (names, shapes and dtypes): checked before anything is sized from it."""
         if not 1 <= state.num_tokens <= self.model.config.max_position_embeddings:
             raise ValueError(f"state holds {state.num_tokens} tokens; must be in "
                              f"[1, {self.model.config.max_position_embeddings}]")
@@ -174,9 +183,12 @@ class TextModelRunner:
         if have.keys() != want.keys():
             missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
             raise ValueError(f"state tensors do not match the model: missing {missing[:4]}, unexpected {extra[:4]}")
+        dtypes = {name: tensor.dtype for name, tensor in state.named_tensors()}
         for name, shape in want.items():
             if have[name] != shape:
                 raise ValueError(f"state tensor {name} has shape {list(have[name])}, expected {list(shape)}")
+            if dtypes[name] != self.state_dtype(name):
+                raise ValueError(f"state tensor {name} is {dtypes[name]}, expected {self.state_dtype(name)}")
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

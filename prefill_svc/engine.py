@@ -14,6 +14,7 @@ is copied into the prefix cache. Positions are computed here from the request al
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_ha
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
 MIB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -191,7 +193,9 @@ class PrefillEngine:
             ref = images[index]
             if ref.store_key in found:
                 continue
-            tensor = self._inline(ref) if ref.embedding else self.embeddings.get(ref.store_key)
+            tensor = self._inline(ref, expected[ref.store_key]) if ref.embedding else None
+            if tensor is None:
+                tensor = self.embeddings.get(ref.store_key)
             if tensor is not None and tuple(tensor.shape) == expected[ref.store_key]:
                 found[ref.store_key] = tensor
         missing = [key for key in expected if key not in found]
@@ -217,11 +221,18 @@ class PrefillEngine:
             out[index] = found[ref.store_key]
         return out
 
-    def _inline(self, ref: epd_pb2.ImageRef) -> torch.Tensor | None:
+    def _inline(self, ref: epd_pb2.ImageRef, shape: tuple[int, int]) -> torch.Tensor | None:
+        """An embedding sent with the request; one that fails its checks or has the wrong shape is
+        a miss (the LRU, then the store, then a re-encode), and is never cached."""
         try:
             tensor = decode_value(ref.store_key, ref.embedding).tensor
         except ValueError as error:
-            raise ValueError(f"inline embedding for {ref.store_key[-16:]}: {error}") from None
+            log.warning("prefill: ignoring the inline embedding for %s: %s", ref.store_key[-16:], error)
+            return None
+        if tuple(tensor.shape) != shape:
+            log.warning("prefill: ignoring the inline embedding for %s: shape %s, expected %s",
+                        ref.store_key[-16:], list(tensor.shape), list(shape))
+            return None
         self.embeddings.put(ref.store_key, tensor, tensor.numel() * tensor.element_size())
         return tensor
 

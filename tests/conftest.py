@@ -8,10 +8,20 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
 import pytest
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# Property tests are reproducible (a fixed seed per test), leave no example database behind, and
+# have no per-example deadline (a loaded 2-core machine makes timings meaningless). Hypothesis's
+# own cache (constants it reads from the code) goes to the temp directory, not into the repo.
+settings.register_profile("epd", derandomize=True, database=None, deadline=None)
+settings.load_profile("epd")
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "epd-hypothesis"))
 
 READY_PREFIX = "epd ready at "
 
