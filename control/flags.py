@@ -76,6 +76,8 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--prefix-block-size", "serve.prefill.prefix_block_size"),
     _flag("--snapshot-every-blocks", "serve.prefill.snapshot_every_blocks"),
     _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
+    _flag("--prefill-batch-tokens", "serve.prefill.batch_tokens"),
+    _flag("--prefill-max-wait-s", "serve.prefill.max_wait_s"),
     _flag("--max-batch-size", "serve.decode.max_batch_size"),
     _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),

@@ -105,7 +105,12 @@ class LMConfig:
 class PrefillConfig(LMConfig):
     section = "prefill"
     chunk_tokens: int = 512
-    """Longest run of prompt tokens one prefill forward takes; waiting prompts take turns between chunks."""
+    """Longest chunk of one prompt in a prefill forward; waiting prompts take turns between forwards."""
+    batch_tokens: int = 1024
+    """Prompt tokens one prefill forward takes in all: chunks of several prompts share a forward
+    up to this budget (at least chunk_tokens)."""
+    max_wait_s: float = 2.0
+    """A prompt that has not run for this many seconds goes first (aging: shortest-first never starves it)."""
     embedding_cache_mb: int = 256
     """The prefill worker's in-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
     prefix_cache_mb: int = 512
@@ -120,6 +125,8 @@ class PrefillConfig(LMConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self.chunk_tokens, 1, 1 << 20, "prefill.chunk_tokens")
+        _check_range(self.batch_tokens, 1, 1 << 20, "prefill.batch_tokens")
+        _check_range(self.max_wait_s, 0.01, 3600, "prefill.max_wait_s")
         _check_range(self.embedding_cache_mb, 0, 1 << 20, "prefill.embedding_cache_mb")
         _check_range(self.prefix_cache_mb, 0, 1 << 20, "prefill.prefix_cache_mb")
         _check_range(self.prefix_block_size, 1, 8192, "prefill.prefix_block_size")

@@ -132,7 +132,7 @@ def test_a_forged_handoff_sent_to_decode_is_refused_and_decode_keeps_serving(ser
             yield epd_pb2.HandoffChunk(data=b"\x00" * (1 << 20))
 
     with rpc.channel(decode) as chan, pytest.raises(grpc.RpcError) as raised:
-        epd_pb2_grpc.DecodeStub(chan).Handoff(stream(), timeout=60)
+        epd_pb2_grpc.DecodeStub(chan).Handoff(stream(), timeout=60, metadata=serve.internal)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_len" in raised.value.details()
     # A well-formed header of the wrong model shape is refused the same way.
@@ -140,7 +140,8 @@ def test_a_forged_handoff_sent_to_decode_is_refused_and_decode_keeps_serving(ser
                                   sampling=epd_pb2.ResolvedSampling(max_tokens=4))
     wrong.tensors.add(name="keys.3", dtype="float32", shape=[1, 2, 3, 8])
     with rpc.channel(decode) as chan, pytest.raises(grpc.RpcError) as raised:
-        epd_pb2_grpc.DecodeStub(chan).Handoff(iter([epd_pb2.HandoffChunk(header=wrong)]), timeout=60)
+        epd_pb2_grpc.DecodeStub(chan).Handoff(iter([epd_pb2.HandoffChunk(header=wrong)]), timeout=60,
+                                              metadata=serve.internal)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "do not match the model" in raised.value.details()
     still_serving(addr)
