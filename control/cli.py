@@ -491,9 +491,12 @@ def _cmd_down(args) -> int:
     from control import controller
 
     try:
-        controller.stop_controller(handle)
+        drained = controller.stop_controller(handle, drain=True)
     finally:
         ray.shutdown()
+    if drained.get("in_flight"):
+        print(f"drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
+              f"{drained['cut']} cut at the drain timeout")
     print(f"epd deployment {args.namespace!r} stopped")
     return 0
 

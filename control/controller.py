@@ -95,9 +95,10 @@ class Controller:
             time.sleep(0.2)
         return self.router_addresses()
 
-    def drain_routers(self, timeout_s: float) -> dict:
+    def drain_routers(self, timeout_s: float | None = None) -> dict:
         """Graceful shutdown's first step: every router stops taking requests and finishes (or,
-        after ``timeout_s``, cuts) the ones it carries."""
+        after ``timeout_s``, by default the deployment's ``drain_timeout_s``, cuts) the ones it carries."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             routers = [h for n, h in self._handles.items() if n.startswith("router-")]
         results = ray.get([h.drain.remote(timeout_s) for h in routers], timeout=timeout_s + 60)
@@ -135,12 +136,11 @@ class Controller:
                    for name in entry["replicas"]}
         for replica in replicas:
             e = registered.get(replica.name)
-            state = "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
                 "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
-                "state": "unplaced" if replica.name in waiting else state})
+                "state": "unplaced" if replica.name in waiting else _state(replica)})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
                   for role in ROLES}
         return {"namespace": self.config.namespace, "roles": roles, "desired": dict(self._desired),
@@ -315,8 +315,11 @@ class Controller:
                 level = logging.INFO if event.kind in ("joined", "recovered") else logging.WARNING
                 log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
                         f" after {event.seconds:.1f}s" if event.seconds else "")
-            if endpoint is not None and endpoint.healthy != (probe is Probe.SERVING) and probe is not Probe.DEAD:
-                self.registry.mark.remote(name, probe is Probe.SERVING)
+            # The registry's flag says whether the replica itself works: one that answers but says
+            # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
+            reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
+            if endpoint is not None and endpoint.healthy != reachable and probe is not Probe.DEAD:
+                self.registry.mark.remote(name, reachable)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
                 self._kill(name)
@@ -424,6 +427,12 @@ class Controller:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
 
 
+def _state(replica) -> str:
+    if not replica.registered:
+        return "starting"
+    return "serving" if replica.healthy else replica.last_probe
+
+
 def _pending_demands() -> list[tuple[dict[str, float], int]]:
     """What Ray's GCS has not placed yet, as it reports it to an autoscaler: (shape, count)."""
     from ray.autoscaler.v2.sdk import get_cluster_resource_state
@@ -519,12 +528,21 @@ def create_controller(config: DeployConfig, detached: bool) -> ray.actor.ActorHa
     return controller
 
 
-def stop_controller(controller) -> None:
+def stop_controller(controller, drain: bool = False) -> dict:
+    """Stop the deployment; with ``drain``, let the routers finish the requests they carry first
+    (returns what the drain did)."""
+    drained: dict = {}
+    if drain:
+        try:
+            drained = ray.get(controller.drain_routers.remote(), timeout=86400)
+        except Exception as error:  # noqa: BLE001 - stop regardless
+            log.warning("drain failed: %s", error)
     try:
         ray.get(controller.shutdown.remote(), timeout=120)
     except Exception as error:  # noqa: BLE001 - kill it regardless
         log.warning("controller shutdown failed: %s", error)
     ray.kill(controller, no_restart=True)
+    return drained
 
 
 def connect(address: str, namespace: str) -> ray.actor.ActorHandle:

@@ -14,7 +14,9 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import replace
 
@@ -100,8 +102,14 @@ class LocalStack:
     def _start_ray(self) -> None:
         import ray
 
+        # ray.init installs a native handler for SIGTERM that ends the process once it has printed a
+        # stack; the caller's own handling (epd serve drains first) must stay in force.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
                  configure_logging=False)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         self._ray_started = True
         self.ray_address = ray.get_runtime_context().gcs_address
 

@@ -31,8 +31,11 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
 
     @rpc.unary_errors
     async def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
-        parts = [part async for part in request_iterator]
-        received = handoff.receive(parts, self.engine.runner.num_layers, self.engine.runner.device)
+        runner = self.engine.runner
+        receiver = handoff.Receiver(runner.num_layers, runner.device, runner)  # checks the header first
+        async for part in request_iterator:
+            receiver.add(part)
+        received = receiver.finish()
         header = received.header
         self.engine.submit(
             request_id=header.request_id,
@@ -88,7 +91,7 @@ class DecodeServer(rpc.RoleServer):
         config = serve.decode
         configure_threads(config.num_threads)
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))

@@ -17,12 +17,16 @@ The runner does not decide anything (which request runs, when state is freed): i
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+
+from epd import kernels
 
 
 @dataclass
@@ -98,19 +102,36 @@ class TextModelRunner:
     model: qm.Qwen3_5TextModel
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     layer_types: list[str] = field(init=False)
+    lm_head: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.model.config.layer_types)
+        self.lm_head = functools.partial(F.linear, weight=self.lm_head_weight)
 
     @classmethod
-    def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None) -> TextModelRunner:
-        """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16)."""
+    def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None,
+             prepack: bool = True) -> TextModelRunner:
+        """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16).
+
+        ``prepack``: on a CPU, move every linear layer to oneDNN with pre-packed weights
+        (``prepack_linears``); a no-op where ``kernels.can_prepack`` says it does not apply.
+        """
         from epd import checkpoint  # heavy: only a role that serves the LM needs it
         from epd.tensors import default_device, parse_dtype
 
         device = device or default_device()
         model, lm_head = checkpoint.build_text_model(model_dir, dtype=parse_dtype(dtype), device=device)
-        return cls(model=model, lm_head_weight=lm_head)
+        runner = cls(model=model, lm_head_weight=lm_head)
+        if prepack and kernels.can_prepack(runner.device, runner.dtype):
+            runner.prepack_linears()
+        return runner
+
+    def prepack_linears(self) -> None:
+        """Every projection, MLP and the LM head through oneDNN with pre-packed weights (measured
+        1.5-3.6x faster than ATen's MKL GEMM here, docs/bench/kernels.md). The LM head is packed
+        as a copy: its tied embedding table still needs the dense layout for lookups."""
+        kernels.prepack_linears(self.model)
+        self.lm_head = kernels.PackedLinear(self.lm_head_weight)
 
     @property
     def num_layers(self) -> int:
@@ -142,9 +163,18 @@ class TextModelRunner:
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
 
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype of the state tensor ``name``: the model's, except the recurrent state, which
+        transformers' gated delta rule keeps in float32."""
+        return torch.float32 if name.startswith("recurrent.") else self.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed_tokens.num_embeddings
+
     def check_state(self, state: HybridState) -> None:
         """Raise ValueError unless ``state`` is exactly a state of this model holding
-        ``state.num_tokens`` tokens: checked before anything is sized from it."""
+        ``state.num_tokens`` tokens (names, shapes and dtypes): checked before anything is sized from it."""
         if not 1 <= state.num_tokens <= self.model.config.max_position_embeddings:
             raise ValueError(f"state holds {state.num_tokens} tokens; must be in "
                              f"[1, {self.model.config.max_position_embeddings}]")
@@ -153,9 +183,12 @@ class TextModelRunner:
         if have.keys() != want.keys():
             missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
             raise ValueError(f"state tensors do not match the model: missing {missing[:4]}, unexpected {extra[:4]}")
+        dtypes = {name: tensor.dtype for name, tensor in state.named_tensors()}
         for name, shape in want.items():
             if have[name] != shape:
                 raise ValueError(f"state tensor {name} has shape {list(have[name])}, expected {list(shape)}")
+            if dtypes[name] != self.state_dtype(name):
+                raise ValueError(f"state tensor {name} is {dtypes[name]}, expected {self.state_dtype(name)}")
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -168,24 +201,38 @@ class TextModelRunner:
 
         Returns the final-norm hidden state of the last token, ``[hidden]``.
         """
-        hidden = embeds.to(self.device, self.dtype).unsqueeze(0)  # [1, T, hidden]
-        cos, sin = self.model.rotary_emb(hidden, positions.to(self.device).unsqueeze(1))
+        return self.forward_many([(embeds, positions, state)])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]]) -> torch.Tensor:
+        """Run several sequences' chunks in one forward: each ``(embeds [T_i, hidden], positions
+        [3, T_i], state_i)`` on top of its own state (updated in place). Every token-wise product
+        (projections, MLP, norms) runs once over all the chunks' tokens; attention and the Gated
+        DeltaNet recurrence run per sequence. Returns the final-norm hidden state of each chunk's
+        last token, ``[len(chunks), hidden]``."""
+        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
+        states = [state for _, _, state in chunks]
+        hidden = torch.cat([embeds.to(self.device, self.dtype) for embeds, _, _ in chunks]).unsqueeze(0)  # [1, ΣT, h]
+        positions = torch.cat([pos for _, pos, _ in chunks], dim=1).to(self.device)
+        cos, sin = self.model.rotary_emb(hidden, positions.unsqueeze(1))
         for index, layer in enumerate(self.model.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             if self.layer_types[index] == "linear_attention":
-                hidden = _linear_attention(layer.linear_attn, hidden, state, index)
+                hidden = _linear_attention(layer.linear_attn, hidden, lengths, states, index)
             else:
-                hidden = _full_attention(layer.self_attn, hidden, cos, sin, state, index)
+                hidden = _full_attention(layer.self_attn, hidden, cos, sin, lengths, states, index)
             hidden = residual + hidden
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        state.num_tokens += embeds.shape[0]
-        return self.model.norm(hidden[0, -1])
+        for state, length in zip(states, lengths):
+            state.num_tokens += length
+        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return self.model.norm(hidden[0, last])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> float32 ``[..., vocab]`` logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def decode_step(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -217,90 +264,101 @@ class TextModelRunner:
         return self.logits(self.model.norm(hidden[:, 0]))
 
 
-def _full_attention(
-    attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: HybridState, index: int
-) -> torch.Tensor:
-    """Gated full attention with partial M-RoPE; appends this chunk's K/V to the state."""
+def _attention_inputs(attn: qm.Qwen3_5Attention, x: torch.Tensor):
+    """The token-wise part of gated attention for ``x [B, L, hidden]``: normed query and key,
+    value ``[B, L, heads, dim]`` and the output gate ``[B, L, heads * dim]``."""
     batch, length, _ = x.shape
     head_dim = attn.head_dim
     query, gate = torch.chunk(attn.q_proj(x).view(batch, length, -1, head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(batch, length, -1)
-    query = attn.q_norm(query).transpose(1, 2)
-    key = attn.k_norm(attn.k_proj(x).view(batch, length, -1, head_dim)).transpose(1, 2)
-    value = attn.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-    query, key = qm.apply_rotary_pos_emb(query, key, cos, sin)
-
-    past_keys, past_values = state.keys[index], state.values[index]
-    if past_keys is not None:
-        key = torch.cat([past_keys, key], dim=2)
-        value = torch.cat([past_values, value], dim=2)
-    state.keys[index], state.values[index] = key, value
-
-    mask = None
-    if length > 1 and past_keys is not None:
-        # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
-        total = key.shape[2]
-        mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=length > 1 and mask is None,
-        scale=attn.scaling,
-        enable_gqa=True,
-    )
-    out = out.transpose(1, 2).reshape(batch, length, -1)
-    return attn.o_proj(out * torch.sigmoid(gate))
+    key = attn.k_norm(attn.k_proj(x).view(batch, length, -1, head_dim))
+    value = attn.v_proj(x).view(batch, length, -1, head_dim)
+    return attn.q_norm(query), key, value, gate.reshape(batch, length, -1)
 
 
-def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, state: HybridState, index: int) -> torch.Tensor:
-    """Gated DeltaNet over a chunk; carries the conv window and the recurrent state in ``state``."""
+def _full_attention(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    lengths: list[int], states: list[HybridState], index: int) -> torch.Tensor:
+    """Gated full attention with partial M-RoPE over several sequences' chunks (``x [1, ΣT, h]``,
+    sequence i owning the next ``lengths[i]`` tokens); appends each chunk's K/V to its state."""
+    queries, keys, values, gate = _attention_inputs(attn, x)
+    outs, start = [], 0
+    for length, state in zip(lengths, states):
+        part = slice(start, start + length)
+        start += length
+        query, key = qm.apply_rotary_pos_emb(queries[:, part].transpose(1, 2), keys[:, part].transpose(1, 2),
+                                             cos[:, part], sin[:, part])
+        value = values[:, part].transpose(1, 2)
+        past_keys, past_values = state.keys[index], state.values[index]
+        if past_keys is not None:
+            key = torch.cat([past_keys, key], dim=2)
+            value = torch.cat([past_values, value], dim=2)
+        state.keys[index], state.values[index] = key, value
+        mask = None
+        if length > 1 and past_keys is not None:
+            # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
+            total = key.shape[2]
+            mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=length > 1 and mask is None,
+                                             scale=attn.scaling, enable_gqa=True)
+        outs.append(out.transpose(1, 2).reshape(1, length, -1))
+    return attn.o_proj(torch.cat(outs, dim=1) * torch.sigmoid(gate))
+
+
+def _gdn_inputs(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
+    """The token-wise part of Gated DeltaNet for ``x [B, L, hidden]``: the conv input ``[B, L,
+    conv_dim]``, the output gate z ``[B, L, v_heads, v_dim]``, beta and the decay g ``[B, L, v_heads]``."""
     batch, length, _ = x.shape
-    mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [1, conv_dim, T]
+    mixed = gdn.in_proj_qkv(x)
     z = gdn.in_proj_z(x).reshape(batch, length, -1, gdn.head_v_dim)
     beta = gdn.in_proj_b(x).sigmoid()
     # float32 here because A may overflow to -inf in half precision (as transformers does).
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    weight = gdn.conv1d.weight.squeeze(1)
-    kernel = gdn.conv_kernel_size
+    return mixed, z, beta, g
 
-    conv_state = state.conv[index]
-    if conv_state is not None and length == 1:
-        conv_state = conv_state.clone()  # updated in place by the kernel; never alias a caller's tensor
-        mixed = qm.causal_conv1d_update(mixed, conv_state, weight, gdn.conv1d.bias, gdn.activation)
-    else:
-        full = mixed if conv_state is None else torch.cat([conv_state, mixed], dim=-1)
-        conv_state = F.pad(full, (max(0, kernel - full.shape[-1]), 0))[..., -kernel:].contiguous()
-        mixed = qm.causal_conv1d_fn(full, weight, gdn.conv1d.bias, activation=gdn.activation)[..., -length:]
-    state.conv[index] = conv_state
 
-    mixed = mixed.transpose(1, 2)
+def _split_qkv(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor):
+    """The conv output ``[B, L, conv_dim]`` -> query, key ``[B, L, k_heads, k_dim]``, value."""
+    batch, length, _ = mixed.shape
     query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    query = query.reshape(batch, length, -1, gdn.head_k_dim)
-    key = key.reshape(batch, length, -1, gdn.head_k_dim)
-    value = value.reshape(batch, length, -1, gdn.head_v_dim)
+    return (query.reshape(batch, length, -1, gdn.head_k_dim), key.reshape(batch, length, -1, gdn.head_k_dim),
+            value.reshape(batch, length, -1, gdn.head_v_dim))
 
-    recurrent = state.recurrent[index]
-    rule = qm.torch_recurrent_gated_delta_rule if recurrent is not None and length == 1 else qm.torch_chunk_gated_delta_rule
-    core, state.recurrent[index] = rule(
-        query, key, value, g=g, beta=beta, initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
+
+def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, lengths: list[int],
+                      states: list[HybridState], index: int) -> torch.Tensor:
+    """Gated DeltaNet over several sequences' chunks; carries each one's conv window and
+    recurrent state in its own state."""
+    mixed_all, z, beta, g = _gdn_inputs(gdn, x)
+    cores, start = [], 0
+    for length, state in zip(lengths, states):
+        part = slice(start, start + length)
+        start += length
+        mixed, state.conv[index] = kernels.causal_conv1d(  # [1, conv_dim, T], a view of time-major memory
+            mixed_all[:, part].transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
+            window=state.conv[index])
+        query, key, value = _split_qkv(gdn, mixed.transpose(1, 2))
+        recurrent = state.recurrent[index]
+        if recurrent is not None and length == 1:
+            # the state may be a caller's snapshot (prefix cache): update a copy, never the original
+            recurrent = recurrent.to(torch.float32, copy=True)
+            core = kernels.recurrent_gated_delta_step(query, key, value, g[:, part], beta[:, part], recurrent)
+        else:
+            core, recurrent = kernels.chunk_gated_delta_rule(
+                query, key, value, g=g[:, part], beta=beta[:, part], chunk_size=_gdn_chunk(x.device),
+                initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.recurrent[index] = recurrent
+        cores.append(core)
+    core = torch.cat(cores, dim=1)
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(core.reshape(batch, length, -1))
+    return gdn.out_proj(core.reshape(1, x.shape[1], -1))
 
 
 def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          batch: BatchBuffers, index: int, lengths: torch.Tensor) -> torch.Tensor:
     """One token per slot: write its K/V at the slot's length, attend over the slot's tokens."""
     size = x.shape[0]
-    head_dim = attn.head_dim
-    query, gate = torch.chunk(attn.q_proj(x).view(size, 1, -1, head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(size, 1, -1)
-    query = attn.q_norm(query).transpose(1, 2)
-    key = attn.k_norm(attn.k_proj(x).view(size, 1, -1, head_dim)).transpose(1, 2)
-    value = attn.v_proj(x).view(size, 1, -1, head_dim).transpose(1, 2)
-    query, key = qm.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key, value, gate = _attention_inputs(attn, x)
+    query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = value.transpose(1, 2)
 
     slots = torch.arange(size, device=x.device)
     keys, values = batch.keys[index], batch.values[index]
@@ -321,55 +379,18 @@ def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.
 def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
     """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place."""
     size = x.shape[0]
-    mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, 1]
-    z = gdn.in_proj_z(x).reshape(size, 1, -1, gdn.head_v_dim)
-    beta = gdn.in_proj_b(x).sigmoid()
-    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    mixed = _conv_step(mixed[..., 0], batch.conv[index][:size], gdn.conv1d, gdn.activation).unsqueeze(1)
-    query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    query = query.reshape(size, 1, -1, gdn.head_k_dim)
-    key = key.reshape(size, 1, -1, gdn.head_k_dim)
-    value = value.reshape(size, 1, -1, gdn.head_v_dim)
-    core = _gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
+    mixed, z, beta, g = _gdn_inputs(gdn, x)  # mixed [B, 1, conv_dim]
+    mixed = kernels.causal_conv1d_step(mixed[:, 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
+                                       gdn.conv1d.bias, gdn.activation).unsqueeze(1)
+    query, key, value = _split_qkv(gdn, mixed)
+    core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(size, 1, -1))
 
 
-def _conv_step(x: torch.Tensor, window: torch.Tensor, conv: torch.nn.Conv1d, activation: str) -> torch.Tensor:
-    """One token of the depthwise causal conv: shift ``x [B, C]`` into ``window [B, C, K]`` (in
-    place) and return the activated output ``[B, C]``. A multiply-and-sum over the K taps: a
-    depthwise conv1d call costs far more than its arithmetic at one token."""
-    window[..., :-1] = window[..., 1:].clone()
-    window[..., -1] = x.to(window.dtype)
-    out = (window.float() * conv.weight[:, 0].float()).sum(dim=-1)  # float32 accumulation in any dtype
-    if conv.bias is not None:
-        out = out + conv.bias.float()
-    return qm.ACT2FN[activation](out).to(x.dtype)
 
-
-def _gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One token of the gated delta rule per slot, updating ``state`` in place.
-
-    transformers' ``torch_recurrent_gated_delta_rule`` for a single token (same normalisation,
-    decay, delta update and read-out), but with the two contractions and the rank-1 update as
-    batched matrix products: the state is read about six times per step instead of twelve, which
-    matters once a batch holds many requests (each state is heads x 128 x 128 floats per layer).
-    Inputs ``[B, 1, heads, dim]``; state ``[B, v_heads, k_dim, v_dim]`` float32 and contiguous.
-    """
-    out_dtype = query.dtype
-    size, _, num_k_heads, k_dim = key.shape
-    num_v_heads, v_dim = value.shape[2], value.shape[3]
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value = (t[:, 0].float() for t in (query, key, value))  # [B, heads, dim]
-    query = qm.l2norm(query, dim=-1, eps=1e-6) / (k_dim**0.5)
-    key = qm.l2norm(key, dim=-1, eps=1e-6)
-    state.mul_(g[:, 0].float().exp()[..., None, None])
-    kv_mem = torch.matmul(key.unsqueeze(-2), state).squeeze(-2)  # [B, heads, v_dim]
-    delta = (value - kv_mem) * beta[:, 0].float().unsqueeze(-1)
-    flat = state.view(size * num_v_heads, k_dim, v_dim)
-    flat.baddbmm_(key.reshape(-1, k_dim, 1), delta.reshape(-1, 1, v_dim))
-    out = torch.matmul(query.unsqueeze(-2), state).squeeze(-2)  # [B, heads, v_dim]
-    return out.unsqueeze(1).to(out_dtype)  # [B, 1, v_heads, v_dim]
+def _gdn_chunk(device: torch.device) -> int:
+    """Chunk length of the chunked gated delta rule. Shorter chunks do less intra-chunk work per
+    token but run more sequential steps: on a CPU 32 measured fastest for 240-512-token prompts
+    (docs/bench/kernels.md); on a GPU the sequential steps are kernel launches, 64 as in FLA."""
+    return 64 if device.type == "cuda" else 32

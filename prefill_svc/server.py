@@ -70,7 +70,7 @@ class PrefillServer(rpc.RoleServer):
         config = serve.prefill
         configure_threads(config.num_threads)
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
         internal = rpc.internal_transport(serve.security)
         self._decode = discovery.decode_targets(context, internal)

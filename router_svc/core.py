@@ -43,16 +43,20 @@ log = logging.getLogger(__name__)
 
 MAX_RESUMES = 8  # a request moves to another decode worker at most this often
 STAGES = ("tokenize", "encode", "prefill", "decode")
+MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
+MAX_STOP_CHARS = 1000
 
 
 class RouterCore:
     def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
-                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets) -> None:
+                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets,
+                 encoder_replicas: discovery.Balancer | None = None) -> None:
         self.config = config
         self.builder = builder
         self.store = store
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
         self.encoder, self.prefill, self.decode = encoder, prefill, decode
+        self.encoder_replicas = encoder_replicas  # behind the Encoder services: watched for health only
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
                         "retried_prefills": 0, "inline_images": 0, "refused": 0}
@@ -64,8 +68,12 @@ class RouterCore:
     # ---------------------------------------------------------------- health
 
     def serving(self) -> bool:
-        """Every role this router calls has a replica that takes work."""
-        return not self.refusing and all(t.balancer.num_available() > 0 for t in (self.encoder, self.prefill, self.decode))
+        """Every role this router needs has a replica that takes work (encoder replicas too, behind
+        the Encoder services)."""
+        balancers = [t.balancer for t in (self.encoder, self.prefill, self.decode)]
+        if self.encoder_replicas is not None:
+            balancers.append(self.encoder_replicas)
+        return not self.refusing and all(b.num_available() > 0 for b in balancers)
 
     # ---------------------------------------------------------------- the request path
 
@@ -157,6 +165,10 @@ class RouterCore:
     # ---------------------------------------------------------------- steps
 
     def _resolve_sampling(self, params: epd_pb2.SamplingParams) -> SamplingConfig:
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+        if any(len(stop) > MAX_STOP_CHARS for stop in params.stop):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters")
         max_tokens = params.max_tokens if params.HasField("max_tokens") else self.config.default_max_tokens
         if max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")

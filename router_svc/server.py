@@ -53,16 +53,21 @@ class RouterServer(rpc.RoleServer):
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.router
         info = ModelInfo.load(serve.model_dir)
-        builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels)
+        builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels,
+                                     max_model_len=config.max_model_len, max_images=config.max_images_per_request,
+                                     allow_special_tokens=config.allow_special_tokens)
         internal = rpc.internal_transport(serve.security)
         self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
                          discovery.decode_targets(context, internal)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
-        self.core = RouterCore(config, builder, store, *self._targets)
+        encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
+        self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
+                                                 context.poll_s)]
+        self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders)
         self.servicer = RouterServicer(self.core)
         self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router")], context.host,
                     rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
-                    what="an API key (authorization: Bearer KEY)")
+                    what="an API key (authorization: Bearer KEY)", max_receive_bytes=config.max_request_mb << 20)
         self._metrics = serve_metrics(self.core.metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address())
 
@@ -91,8 +96,8 @@ class RouterServer(rpc.RoleServer):
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()
-        for targets in self._targets:
-            targets.close()
+        for watched in (*self._targets, *self._watches):
+            watched.close()
         super().stop(grace_s)
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -35,6 +35,7 @@ PROMPTS = ["What is in this picture?", "Describe the colours.", "Tell me a story
 MAX_TOKENS = (12, 24, 40)
 REPEATS = [make_image(160, 128, seed=7000 + i) for i in range(4)]  # images several requests share
 PAUSE_S = 6.0  # load keeps running between two faults
+THINK_S = 1.2  # a client's pause between two requests (it keeps the oracle's checks at the end short)
 
 
 class Load:
@@ -53,23 +54,37 @@ class Load:
 
     def _client(self, number: int) -> None:
         rng = random.Random(number)
-        while not self.stop.is_set():
+        while not self.stop.wait(THINK_S * rng.random()):
             with self.lock:
-                router, seed = next(self.routers), next(self.seeds)
+                seed = next(self.seeds)
             image = REPEATS[rng.randrange(len(REPEATS))] if rng.random() < 0.4 else make_image(128, 128, seed=seed)
-            prompt, max_tokens = rng.choice(PROMPTS), rng.choice(MAX_TOKENS)
-            started = time.monotonic()
-            try:
-                result = client.generate(router, client.user_request(prompt, [image], max_tokens=max_tokens),
-                                         timeout_s=120)
-                outcome = {"prompt": prompt, "image": image, "max_tokens": max_tokens, "tokens": result.token_ids,
-                           "resumes": result.summary.resumes, "start": started, "end": time.monotonic()}
-                with self.lock:
-                    self.done.append(outcome)
-            except grpc.RpcError as error:
-                with self.lock:
-                    self.failed.append({"start": started, "end": time.monotonic(), "code": error.code().name,
-                                        "details": error.details()})
+            self.send(rng.choice(PROMPTS), image, rng.choice(MAX_TOKENS))
+
+    def send(self, prompt: str, image: bytes, max_tokens: int) -> None:
+        """One request to the next router; keeps its outcome."""
+        with self.lock:
+            router = next(self.routers)
+        started = time.monotonic()
+        try:
+            result = client.generate(router, client.user_request(prompt, [image], max_tokens=max_tokens),
+                                     timeout_s=120)
+            outcome = {"prompt": prompt, "image": image, "max_tokens": max_tokens, "tokens": result.token_ids,
+                       "resumes": result.summary.resumes, "start": started, "end": time.monotonic()}
+            with self.lock:
+                self.done.append(outcome)
+        except grpc.RpcError as error:
+            with self.lock:
+                self.failed.append({"start": started, "end": time.monotonic(), "code": error.code().name,
+                                    "details": error.details()})
+
+    def long_streams(self, count: int, max_tokens: int) -> list[threading.Thread]:
+        """``count`` long answers starting now (in flight when the next fault strikes)."""
+        threads = [threading.Thread(target=self.send, daemon=True,
+                                    args=(f"Tell me everything, part {n}.", REPEATS[n % len(REPEATS)], max_tokens))
+                   for n in range(count)]
+        for thread in threads:
+            thread.start()
+        return threads
 
     def finish(self) -> None:
         self.stop.set()
@@ -148,6 +163,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
     routers = [r["address"] for r in status["roles"]["router"]]
     load, health = Load(routers, num_clients=4), HealthWatch(routers)
     faults: list[dict] = []
+    events: dict[tuple, dict] = {}  # the controller's life events, kept here: killing it loses its history
 
     def fault(name: str, kill) -> None:
         time.sleep(PAUSE_S)
@@ -156,6 +172,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
         _wait_until(lambda: _all_serving(address), 180, f"every role back at its count after killing {name}")
         faults.append({"fault": name, "start": started, "recovered_s": round(time.monotonic() - started, 1),
                        "detail": detail})
+        events.update({(e["time"], e["name"], e["kind"]): e for e in epd_status(address)["events"]})
 
     def encoder_past_its_restarts() -> str:
         name = _replica(epd_status(address), "encoder")["name"]
@@ -168,9 +185,12 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
                             f"{name} restarted by Ray")
         return f"{name} killed {MAX_RESTARTS + 1} times"
 
-    def one_of(role: str):
+    def one_of(role: str, streams_in_flight: int = 0):
         def kill() -> str:
             replica = _replica(epd_status(address), role)
+            if streams_in_flight:  # long answers spread over both workers: the kill lands mid-stream
+                load.long_streams(streams_in_flight, max_tokens=400)
+                time.sleep(1.5)
             _kill(replica["pid"])
             return replica["name"]
         return kill
@@ -186,7 +206,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
         load_started = time.monotonic()
         fault("encoder replica", encoder_past_its_restarts)
         fault("prefill worker", one_of("prefill"))
-        fault("decode worker", one_of("decode"))
+        fault("decode worker", one_of("decode", streams_in_flight=6))
         fault("redis-server", by_title("redis-server"))
         fault("controller", by_title("ray::Controller"))
         fault("registry", by_title("ray::Registry"))
@@ -195,7 +215,6 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
         load.finish()
         health.finish()
     ended = time.monotonic()
-    final = epd_status(address)
 
     report = {"load_s": round(ended - load_started, 1), "requests": len(load.done) + len(load.failed),
               "failed": len(load.failed), "resumed": sum(1 for d in load.done if d["resumes"]), "faults": []}
@@ -208,7 +227,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
             "resumed": sum(1 for d in window if d["resumes"]),
             "back_at_count_s": entry["recovered_s"],
             "not_serving_s": health.seconds_between(entry["start"], end)})
-    report["events"] = [e for e in final["events"] if e["kind"] in ("died", "replaced", "restarted")]
+    report["events"] = [e for e in events.values() if e["kind"] in ("died", "replaced", "restarted")]
     print("\n" + json.dumps({k: v for k, v in report.items() if k != "events"}, indent=1))
     if os.environ.get("EPD_CHAOS_REPORT"):
         with open(os.environ["EPD_CHAOS_REPORT"], "w") as f:
@@ -216,8 +235,8 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
 
     assert load.failed == [], load.failed[:5]
     assert report["load_s"] >= 60 and len(load.done) >= 60
-    assert any(e["kind"] == "replaced" and e["role"] == "encoder" for e in final["events"]), final["events"]
-    assert any(e["kind"] == "restarted" and e["role"] == "decode" for e in final["events"]), final["events"]
+    assert any(e["kind"] == "replaced" and e["role"] == "encoder" for e in report["events"]), report["events"]
+    assert any(e["kind"] == "restarted" and e["role"] == "decode" for e in report["events"]), report["events"]
     assert report["resumed"] >= 1  # the decode worker died under at least one stream
     assert _all_serving(address)
     expected = {}
