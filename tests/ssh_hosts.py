@@ -239,9 +239,11 @@ class Machine:
 
 
 class Lan:
-    """``client`` (the workstation and the LAN's bridge) plus hosts on 10.232.N.0/24."""
+    """``client`` (the workstation and the LAN's bridge) plus hosts on 10.232.N.0/24; with
+    ``sshd=False`` the hosts run no SSH server (a test that enters them with ``Machine.run``)."""
 
-    def __init__(self, tag: int, workdir: Path, hosts: tuple[str, ...] = ("head", "worker"), sshd: bool = True) -> None:
+    def __init__(self, tag: int, workdir: Path, hosts: tuple[str, ...] = ("head", "worker"),
+                 sshd: bool = True) -> None:
         assert len({name[0] for name in ("client", *hosts)}) == len(hosts) + 1, "machine names need distinct initials"
         self.prefix = f"epr{tag}"
         self.sshd = sshd  # False: hosts reached only by nsenter (no OpenSSH needed)
