@@ -317,17 +317,20 @@ def _cmd_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = flags.deploy_config(args, flags.SERVE, args.config)
+        config = flags.deploy_config(args, flags.SERVE, args.config, **_api_key_from_env())
     except ConfigError as error:
         args.parser.error(str(error))
-    busy = _port_in_use(config.serve.router.host, config.serve.router.port)
-    if busy:
-        args.parser.error(f"--port {config.serve.router.port}: {busy}")
+    for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
+        busy = _port_in_use(config.serve.router.host, port or 0)
+        if busy:
+            args.parser.error(f"{option} {port}: {busy}")
     _raise_on_sigterm()
     stack = LocalStack(config)
     try:
         address = stack.start()
         print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        for http in stack.http_addresses():
+            print(f"epd http at http://{http}/v1", flush=True)
         print(f"epd ready at {address}", flush=True)
         wait_forever()
     except KeyboardInterrupt:
@@ -344,6 +347,12 @@ def _cmd_serve(args) -> int:
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
     return 0
+
+
+def _api_key_from_env() -> dict:
+    """The public API key from EPD_API_KEY (an environment variable, so it never shows in `ps`)."""
+    key = os.environ.get("EPD_API_KEY", "")
+    return {"serve__security__api_key": key} if key else {}
 
 
 def _port_in_use(host: str, port: int) -> str:
@@ -383,7 +392,7 @@ def _cmd_deploy(args) -> int:
     from epd.config import ConfigError
 
     try:
-        config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node")
+        config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node", **_api_key_from_env())
     except ConfigError as error:
         args.parser.error(str(error))
     _ray_env(args.address)
@@ -403,6 +412,8 @@ def _cmd_deploy(args) -> int:
             pass
         handle = controller.create_controller(config, detached=True)
         status = ray.get(handle.status.remote())
+        for http in ray.get(handle.http_addresses.remote()):
+            print(f"epd http at http://{http}/v1", flush=True)
         for address in ray.get(handle.router_addresses.remote()):
             print(f"epd ready at {address}", flush=True)
         print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
@@ -464,7 +475,9 @@ def _cmd_status(args) -> int:
         print(f"{role}: {len(replicas)} of {status['desired'][role]}" + (f" ({life})" if life else ""))
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
-            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}")
+            http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
+            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}"
+                  f"{http}")
     for event in status["events"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""

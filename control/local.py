@@ -71,6 +71,12 @@ class LocalStack:
 
         return ray.get(self.controller.router_addresses.remote())
 
+    def http_addresses(self) -> list[str]:
+        """The routers' OpenAI-compatible HTTP fronts (empty without ``--http-port``)."""
+        import ray
+
+        return ray.get(self.controller.http_addresses.remote())
+
     def redis_pid(self) -> int:
         """The embedded redis-server's process id (0 with an external Redis)."""
         import ray

@@ -22,18 +22,20 @@ from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from router_svc.core import RouterCore
 from router_svc.prompt import PromptBuilder
+from router_svc.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
 
 class RouterServicer(epd_pb2_grpc.RouterServicer):
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, stats: RequestStats | None = None) -> None:
         self.core = core
+        self.stats = stats or RequestStats()
         self.num_cut = 0  # streams still running when a shutdown's drain ran out of time
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for event in self.core.generate(request, context.time_remaining()):
+            async for event in self.stats.track("grpc", self.core.generate(request, context.time_remaining())):
                 yield event
         except asyncio.CancelledError:
             if self.core.refusing:  # cut by the drain timeout, not by the client: say so, retryably
@@ -44,6 +46,17 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             raise
         except Exception as error:  # noqa: BLE001 - every error leaves as a status
             await rpc.abort(context, error, "Generate")
+
+
+def _add_reflection(servicer, server) -> None:
+    """gRPC server reflection (``grpcurl list``), naming the public service only."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection(["epd.v1.Router", reflection.SERVICE_NAME], server)
+
+
+# Served beside the Router (before the server starts); its name is registered with health too, harmlessly.
+_REFLECTION = (_add_reflection, None, "grpc.reflection.v1alpha.ServerReflection")
 
 
 class RouterServer(rpc.RoleServer):
@@ -58,11 +71,24 @@ class RouterServer(rpc.RoleServer):
                          discovery.decode_targets(context)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
         self.core = RouterCore(config, builder, store, *self._targets)
-        self.servicer = RouterServicer(self.core)
-        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router")], context.host,
-                    config.port, healthy=self.core.serving)
-        self._metrics = serve_metrics(self.core.metrics, self.host, config.metrics_port)
-        self.membership = Membership(context, address=self.address())
+        self.stats = RequestStats()
+        self.servicer = RouterServicer(self.core, self.stats)
+        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"),
+                     _REFLECTION], context.host, config.port, healthy=self.core.serving)
+        self.http = None
+        if serve.http.port is not None:
+            from router_svc.http import HttpFront, default_model_name
+
+            self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
+                serve.model_dir), serve.security.api_key, self.serving, self.stats)
+            self.events.run(self.http.start(self.host, serve.http.port))
+        self._metrics = serve_metrics(lambda: [*self.core.metrics(), *self.stats.families()], self.host,
+                                      config.metrics_port)
+        self.membership = Membership(context, address=self.address(), http_address=self.http_address())
+
+    def http_address(self) -> str:
+        """``host:port`` of the OpenAI-compatible HTTP front; empty when it has none."""
+        return f"{self.host}:{self.http.port}" if self.http is not None else ""
 
     def drain(self, timeout_s: float) -> dict[str, int]:
         """Shut down gracefully: NOT_SERVING, new requests refused with UNAVAILABLE, the requests in
@@ -91,6 +117,8 @@ class RouterServer(rpc.RoleServer):
         self.membership.close()
         for targets in self._targets:
             targets.close()
+        if self.http is not None:
+            self.events.run(self.http.stop(), timeout=grace_s + 15)
         super().stop(grace_s)
         if self._metrics is not None:
             self._metrics.shutdown()
