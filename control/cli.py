@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = command("serve", help="start every role on a local Ray instance")
     flags.add_flags(serve, flags.SERVE)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
-    serve.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_log_flags(serve)
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     deploy = command("deploy", help="place every role on a running Ray cluster by Ray resources")
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
+    _add_log_flags(deploy)
     deploy.set_defaults(func=_cmd_deploy, parser=deploy)
 
     scale = command("scale", help="change a role's replica count on a running deployment")
@@ -99,6 +100,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_generate_parser(command)
     _add_bench_parser(command)
     return parser
+
+
+def _add_log_flags(parser: argparse.ArgumentParser) -> None:
+    from epd import logs
+
+    parser.add_argument("--log-level", default="INFO", choices=list(logs.LEVELS),
+                        help="least severe events logged, by this command and by every role")
+    parser.add_argument("--log-format", default="text", choices=list(logs.FORMATS),
+                        help="text: one line per event naming the role and request; json: one JSON object per "
+                             "line (ts, level, role, request_id, logger, message) for log shippers")
+
+
+def _setup_logging(args) -> None:
+    """This process's logging, and (through the environment Ray passes on) every role's."""
+    from epd import logs
+
+    os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV] = args.log_format, args.log_level
+    logs.configure(args.log_level, args.log_format, role="epd")
 
 
 def _add_generate_parser(command) -> None:
@@ -315,7 +334,7 @@ def _cmd_serve(args) -> int:
     from control.local import LocalStack, wait_forever
     from epd.config import ConfigError
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _setup_logging(args)
     try:
         config = flags.deploy_config(args, flags.SERVE, args.config, **_api_key_from_env())
     except ConfigError as error:
@@ -395,13 +414,16 @@ def _cmd_deploy(args) -> int:
         config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node", **_api_key_from_env())
     except ConfigError as error:
         args.parser.error(str(error))
+    _setup_logging(args)
     _ray_env(args.address)
     import ray
 
     from control import controller
+    from epd import logs
 
     ray.init(address=args.address, namespace=config.namespace, logging_level=logging.WARNING,
-             configure_logging=False, log_to_driver=False)
+             configure_logging=False, log_to_driver=False,
+             runtime_env=logs.runtime_env(args.log_format, args.log_level))
     try:
         try:
             ray.get_actor(controller.CONTROLLER_NAME, namespace=config.namespace)

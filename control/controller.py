@@ -97,7 +97,9 @@ class Controller:
 
     def drain_routers(self, timeout_s: float) -> dict:
         """Graceful shutdown's first step: every router stops taking requests and finishes (or,
-        after ``timeout_s``, cuts) the ones it carries."""
+        after ``timeout_s``, cuts) the ones it carries. Reconciling and autoscaling stop first: a
+        router that says NOT_SERVING now is leaving, not failing."""
+        self._stop.set()
         with self._lock:
             routers = [h for n, h in self._handles.items() if n.startswith("router-")]
         results = ray.get([h.drain.remote(timeout_s) for h in routers], timeout=timeout_s + 60)

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from epd import rpc
+from epd import logs, rpc
 from epd.config import HttpConfig
 from epd.v1 import epd_pb2
 from router_svc.core import RouterCore
@@ -455,6 +455,7 @@ class _ChatCall:
         producer.result()
 
     async def _produce(self, send) -> None:
+        logs.REQUEST_ID.set(self.id)  # every line logged for it names it
         front = self.front
         events = front.stats.track("http", front.core.generate(self.request, None))
         try:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 
-from epd import discovery, rpc
+from epd import discovery, logs, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.metrics import serve_metrics
@@ -34,6 +35,7 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self.num_cut = 0  # streams still running when a shutdown's drain ran out of time
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        logs.REQUEST_ID.set(request.request_id or uuid.uuid4().hex)  # every line logged for it names it
         try:
             async for event in self.stats.track("grpc", self.core.generate(request, context.time_remaining())):
                 yield event
