@@ -39,8 +39,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every default (flags whose default lives in a config dataclass say it in their help)."""
 
     def _get_help_string(self, action):
-        if action.default is argparse.SUPPRESS or "(default:" in (action.help or ""):
+        if action.default is argparse.SUPPRESS or "(default:" in (action.help or "") or action.required:
             return action.help
+        if action.default in (None, []):
+            return f"{action.help or ''} (default: none)".strip()
         return super()._get_help_string(action)
 
 
@@ -121,27 +123,45 @@ def _setup_logging(args) -> None:
 
 
 def _add_generate_parser(command) -> None:
+    from epd.config import RouterConfig
+
     gen = command("generate", help="send one request to a running router and stream the answer")
     gen.add_argument("--addr", required=True, type=_address, help="router HOST:PORT")
     what = gen.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="one user turn (with --image files)")
+    what.add_argument("--prompt", metavar="TEXT", help="one user turn (with --image files)")
     what.add_argument("--messages", metavar="FILE.json",
                       help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
-                           '{"type": "image", "image": PATH}]}], image paths relative to the file')
+                           '{"type": "image", "image"|"path": PATH}, {"type": "image_url", "image_url": {"url": '
+                           '"data:image/png;base64,..." | PATH}}]}], paths relative to the file')
     gen.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
-    gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None,
-                     help="tokens to generate at most (none: the server's default)")
-    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, help="0 or none: greedy")
-    gen.add_argument("--top-p", type=_float_in(0, 1), default=None, help="nucleus sampling mass, (0, 1]")
-    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, help="0 or none: off")
-    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None,
-                     help="sampling seed (none with --temperature > 0: the server picks one)")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None,
-                     help="lower the per-image pixel cap for this request (none: the model's)")
-    gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, help="seconds before giving up (none: no limit)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with the result as the last line")
+    router = RouterConfig()
+    gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None, metavar="N",
+                     help=f"tokens to generate at most (default: the server's, {router.default_max_tokens} unless it "
+                          f"was started with --default-max-tokens; at most {router.max_tokens_limit})")
+    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, metavar="X",
+                     help="sampling temperature; 0: greedy (default: 0)")
+    gen.add_argument("--top-p", type=_float_in(0, 1), default=None, metavar="X",
+                     help="nucleus sampling mass, (0, 1] (default: 1, off)")
+    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, metavar="N",
+                     help="sample from the N most likely tokens; 0: off (default: 0)")
+    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, metavar="N",
+                     help="sampling seed (default: with --temperature > 0 the server picks one and reports it)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop string, repeatable; the answer ends before it (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token (default: off)")
+    gen.add_argument("--logprobs", type=_int_in(0, 20), default=0, metavar="N",
+                     help="also return the N most likely tokens at each step with their log-probabilities, in the "
+                          "--json line; 0: none (default: 0)")
+    gen.add_argument("--enable-thinking", action="store_true",
+                     help="render the chat template with thinking on (default: off)")
+    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None, metavar="N",
+                     help="lower the per-image pixel cap for this request (default: the model's, from its "
+                          "preprocessor_config.json)")
+    gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, metavar="S",
+                     help="seconds before giving up (default: no limit)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with the result as the last line (default: off)")
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
 
@@ -545,10 +565,12 @@ def _cmd_generate(args) -> int:
     request = client.chat_request(
         messages, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs, enable_thinking=args.enable_thinking,
     )
     on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:
-        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout)
+        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout,
+                                 api_key=os.environ.get("EPD_API_KEY") or None)
     except grpc.RpcError as error:
         print(f"{error.code().name}: {error.details()}", file=sys.stderr)
         return 1

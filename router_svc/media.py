@@ -21,8 +21,6 @@ under the allowed directory; a path with a ``..`` component is refused before an
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import ipaddress
 import os
 import socket
@@ -31,6 +29,7 @@ import urllib.parse
 
 import h11
 
+from epd import dataurl
 from epd.config import HttpConfig
 
 
@@ -206,20 +205,10 @@ class MediaLoader:
 
 
 def decode_data_url(url: str) -> bytes:
-    """The bytes of a ``data:[<media type>];base64,<data>`` URL."""
-    header, sep, data = url.partition(",")
-    if not sep:
-        raise MediaError("a data: URL needs a comma before its data")
-    params = header[5:].split(";")
-    if "base64" not in [p.strip().lower() for p in params[1:]]:
-        raise MediaError("data: URLs must be base64 (data:image/png;base64,...)")
-    media_type = params[0].strip().lower()
-    if media_type and not media_type.startswith("image/") and media_type != "application/octet-stream":
-        raise MediaError(f"a data: URL of type {media_type!r} is not an image")
     try:
-        return base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise MediaError("the data: URL is not valid base64") from None
+        return dataurl.decode_data_url(url)
+    except ValueError as error:
+        raise MediaError(str(error)) from None
 
 
 def refused_address(address: str) -> str:
