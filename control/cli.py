@@ -209,6 +209,9 @@ def _add_bench_parser(command) -> None:
                        help="per-request deadline")
     bench.add_argument("--warmup", type=_int_in(0, 1000), default=1, metavar="N",
                        help="untimed requests sent to each system before its run")
+    bench.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                       help="the front to load: grpc (epd.v1.Router) or openai (the HTTP front's /v1/chat/completions; "
+                            "with --addr give its HOST:PORT, with --model the stack gets one)")
     stack = bench.add_argument_group("the local stack (with --model)")
     flags.add_flags(stack, flags.BENCH_STACK)
     stack.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
@@ -299,14 +302,17 @@ def _cmd_bench(args) -> int:
     try:
         stack = None
         if args.model:
-            stack = flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model)
+            http = {"serve__http__port": 0} if args.api == "openai" and not hasattr(args, "http_port") else {}
+            stack = flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model,
+                                        **http, **_api_key_from_env())
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
             prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, repeat_ratio=args.repeat_ratio,
             turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
-            warmup=args.warmup, baseline_threads=args.baseline_threads,
+            warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
+            api_key=os.environ.get("EPD_API_KEY") or None,
         )
     except ConfigError as error:
         args.parser.error(str(error))

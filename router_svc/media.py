@@ -216,7 +216,7 @@ def refused_address(address: str) -> str:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    for kind in ("loopback", "private", "link_local", "multicast", "unspecified", "reserved"):
+    for kind in ("loopback", "link_local", "multicast", "unspecified", "private", "reserved"):
         if getattr(ip, f"is_{kind}"):
             return kind.replace("_", "-")
     if not ip.is_global:
