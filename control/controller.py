@@ -124,11 +124,15 @@ class Controller:
     # ------------------------------------------------------------ queries
 
     def router_addresses(self) -> list[str]:
-        return [e.address for e in self._endpoints() if e.role == "router" and e.takes_work]
+        """The serving routers' gRPC addresses, oldest first (the first holds the configured ports)."""
+        return [e.address for e in self._routers()]
 
     def http_addresses(self) -> list[str]:
         """The routers' OpenAI-compatible HTTP fronts (none unless the deployment has ``--http-port``)."""
-        return [e.http_address for e in self._endpoints() if e.role == "router" and e.takes_work and e.http_address]
+        return [e.http_address for e in self._routers() if e.http_address]
+
+    def _routers(self) -> list[discovery.Endpoint]:
+        return sorted((e for e in self._endpoints() if e.role == "router" and e.takes_work), key=lambda e: _seq_of(e.name))
 
     def status(self) -> dict:
         """Replicas per role (name, address, node, health), their life events, autoscaling."""
@@ -208,16 +212,17 @@ class Controller:
         return ray.remote(cls).options(**options).remote(serve, context)
 
     def _router_serve(self, name: str):
-        """The config router ``name`` runs with: the configured gRPC and HTTP ports go to one router at a
-        time (the first, or the one that replaces it); every other router takes free ports."""
+        """The config router ``name`` runs with: the configured gRPC, HTTP and metrics ports go to one
+        router at a time (the first, or the one that replaces it); every other router takes free gRPC
+        and HTTP ports and serves its metrics on its HTTP front's /metrics only."""
         serve = self.config.serve
-        if not serve.router.port and not serve.http.port:
+        if not serve.router.port and not serve.http.port and not serve.router.metrics_port:
             return serve
         if self._fixed_ports_holder not in self._handles:  # nobody holds them (never, or it died)
             self._fixed_ports_holder = name
             return serve
         http = replace(serve.http, port=0) if serve.http.port is not None else serve.http
-        return replace(serve, router=replace(serve.router, port=0), http=http)
+        return replace(serve, router=replace(serve.router, port=0, metrics_port=0), http=http)
 
     def _bind_host(self, role: str) -> str:
         """Loopback on one machine; the node's IP on a cluster (roles on other nodes must reach

@@ -91,6 +91,16 @@ class _ReadAtScrape:
             yield metric
 
 
+def render(read: Callable[[], Iterable[Family]]) -> tuple[bytes, str]:
+    """``read()``'s families in Prometheus' text format, and its content type (for a /metrics route
+    served by something else, e.g. the router's HTTP front)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ReadAtScrape(read))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
 def serve_metrics(read: Callable[[], Iterable[Family]], host: str, port: int):
     """Serve ``read()``'s families at http://host:port/metrics; returns the HTTP server, or None
     when ``port`` is 0."""

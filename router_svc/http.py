@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from epd import logs, rpc
 from epd.config import HttpConfig
+from epd.metrics import render
 from epd.v1 import epd_pb2
 from router_svc.core import RouterCore
 from router_svc.media import MediaError, MediaLoader
@@ -102,8 +103,10 @@ class ChatOptions:
 
 class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
-                 healthy: Callable[[], bool], stats: RequestStats) -> None:
+                 healthy: Callable[[], bool], stats: RequestStats,
+                 metrics: Callable[[], list] | None = None) -> None:
         self.core, self.config, self.model_name = core, config, model_name
+        self.read_metrics = metrics
         self._api_key = api_key.encode()
         self.healthy, self.stats = healthy, stats
         self.media = MediaLoader(config)
@@ -114,6 +117,7 @@ class HttpFront:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
         self.server = None
         self._task: asyncio.Task | None = None
@@ -162,6 +166,13 @@ class HttpFront:
         if self.healthy():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """This router's Prometheus metrics (the same as --router-metrics-port serves), as vLLM serves them."""
+        if self.read_metrics is None:
+            return HttpError(404, "no metrics here", "not_found_error").response()
+        body, content_type = await asyncio.get_running_loop().run_in_executor(None, render, self.read_metrics)
+        return Response(body, media_type=content_type)
 
     async def models(self, request: Request) -> Response:
         refused = self._unauthorized(request)

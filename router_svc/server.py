@@ -82,11 +82,13 @@ class RouterServer(rpc.RoleServer):
             from router_svc.http import HttpFront, default_model_name
 
             self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
-                serve.model_dir), serve.security.api_key, self.serving, self.stats)
+                serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics)
             self.events.run(self.http.start(self.host, serve.http.port))
-        self._metrics = serve_metrics(lambda: [*self.core.metrics(), *self.stats.families()], self.host,
-                                      config.metrics_port)
+        self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())
+
+    def _read_metrics(self) -> list:
+        return [*self.core.metrics(), *self.stats.families()]
 
     def http_address(self) -> str:
         """``host:port`` of the OpenAI-compatible HTTP front; empty when it has none."""
