@@ -190,6 +190,7 @@ class HttpFront:
 
     async def chat_completions(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logs.REQUEST_ID.set(request_id)
         try:
             refused = self._unauthorized(request)
             if refused:
@@ -441,6 +442,7 @@ class _ChatCall:
         self.created = int(time.time())
 
     async def __call__(self, scope, receive, send) -> None:
+        logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
         self.started = False  # the status line has gone out
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
@@ -466,7 +468,6 @@ class _ChatCall:
         producer.result()
 
     async def _produce(self, send) -> None:
-        logs.REQUEST_ID.set(self.id)  # every line logged for it names it
         front = self.front
         events = front.stats.track("http", front.core.generate(self.request, None))
         try:
