@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -197,6 +197,8 @@ class HttpFront:
                 raise refused
             body = await self._read_json(request)
             proto, options = await self.build_request(body, request_id)
+        except ClientDisconnect:  # gone before its request was whole: nothing to answer
+            return Response(status_code=499)
         except Exception as error:  # noqa: BLE001 - every refusal leaves in OpenAI's shape
             failure = http_error(error)
             if failure.status >= 500:
