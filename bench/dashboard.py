@@ -10,6 +10,7 @@ with Prometheus' ``histogram_quantile`` interpolation).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import time
@@ -116,7 +117,7 @@ def plot(scrape_path: str, out: str, window_s: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(scrape_path) as f:
+    with (gzip.open(scrape_path, "rt") if scrape_path.endswith(".gz") else open(scrape_path)) as f:
         scrapes = [json.loads(line) for line in f if line.strip()]
     start = scrapes[0]["t"]
     fig, axes = plt.subplots(3, 2, figsize=(14, 11))

@@ -242,9 +242,12 @@ def format_report(report: dict) -> str:
     lines = block(f"epd ({report['config']['api']})" if report.get("config", {}).get("api") == "openai" else "epd",
                   report)
     ratio = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
-                 f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
-                 f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
+    if report.get("config", {}).get("api") == "openai":
+        lines.append(f"  cached tokens {report['cached_tokens']} (images and stage timings: not reported over HTTP)")
+    else:
+        lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
+                     f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
+                     f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
     if "baseline" in report:
         lines += block("transformers", report["baseline"])
         lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "
