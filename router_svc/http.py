@@ -65,6 +65,11 @@ HTTP_STATUS = {
 }
 
 
+# The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
+STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
 class HttpError(Exception):
     """A request refused with ``status`` and OpenAI's error body."""
 
@@ -203,6 +208,7 @@ class HttpFront:
             failure = http_error(error)
             if failure.status >= 500:
                 log.warning("http request %s: %s", request_id, failure.message)
+            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
             return failure.response()
         return _ChatCall(self, proto, options, request_id)
 

@@ -94,6 +94,11 @@ class RequestStats:
             if status == "OK":
                 self.e2e.observe(time.perf_counter() - start, front)
 
+    def refused(self, front: str, status: str) -> None:
+        """A request the front refused before it reached the request path (its own checks)."""
+        with self._lock:
+            self._requests[(front, status, "")] += 1
+
     def families(self) -> list[Family]:
         with self._lock:
             requests, running, tokens = dict(self._requests), dict(self._running), dict(self._tokens)

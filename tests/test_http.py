@@ -282,6 +282,7 @@ def test_latency_metrics_on_both_fronts(stack):
             assert _count(metrics, name, front=front) >= 1, (name, front)
         assert _count(metrics, "epd_requests_total", front=front, status="OK") >= 1
     assert _count(metrics, "epd_requests_total", front="http", status="INVALID_ARGUMENT") >= 1
+    assert _count(metrics, "epd_requests_total", front="http", status="UNAUTHENTICATED") >= 2  # refused by the front
     assert _count(metrics, "epd_generation_tokens_total", front="http") >= 4
 
 
