@@ -239,14 +239,19 @@ class HttpFront:
 
     async def _read_json(self, request: Request) -> dict:
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body:
-            raise self._too_large()
         chunks, size = [], 0
+        too_large = length.isdigit() and int(length) > self.max_body
         async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_body:
-                raise self._too_large()
-            chunks.append(chunk)
+            too_large = too_large or size > self.max_body
+            if size > 4 * self.max_body:
+                break
+            if not too_large:
+                chunks.append(chunk)
+            # Past the cap the rest is read and dropped (up to a bound) before answering: most clients send
+            # the whole body before they read a reply, and would see a reset connection instead of the 413.
+        if too_large:
+            raise self._too_large()
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as error:
