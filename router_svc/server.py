@@ -87,6 +87,10 @@ class RouterServer(rpc.RoleServer):
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())
 
+    def in_flight(self) -> int:
+        """gRPC calls and HTTP requests still running: a router being drained exits at zero."""
+        return super().in_flight() + self.stats.running("http")
+
     def _read_metrics(self) -> list:
         return [*self.core.metrics(), *self.stats.families()]
 

@@ -94,6 +94,10 @@ class RequestStats:
             if status == "OK":
                 self.e2e.observe(time.perf_counter() - start, front)
 
+    def running(self, front: str) -> int:
+        with self._lock:
+            return self._running[front]
+
     def refused(self, front: str, status: str) -> None:
         """A request the front refused before it reached the request path (its own checks)."""
         with self._lock:
