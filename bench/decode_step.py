@@ -12,6 +12,7 @@ time, that floor, and the ratios (step / floor, step / batch-1 step).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -23,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode_svc.batch import DecodeBatch
-from epd import positions
+from epd import kernels, positions
 from epd.lm import TextModelRunner
 
 _PROMPT_TOKENS = 64  # each request's cached context when the steps are timed
@@ -33,7 +34,9 @@ _GEMV_BYTES = 512 * 1024**2
 def weight_bytes_per_step(runner: TextModelRunner) -> int:
     """Bytes of weights one decode step reads: everything but the embedding table, plus the LM head."""
     total = 0
-    for name, param in runner.model.named_parameters():
+    # pre-packed linear weights (epd.kernels.PackedLinear) are buffers, not parameters
+    packed = [(name, t) for name, t in runner.model.named_buffers() if t.is_mkldnn]
+    for name, param in [*runner.model.named_parameters(), *packed]:
         if not name.startswith("embed_tokens."):
             total += param.numel() * param.element_size()
     head = runner.lm_head_weight
@@ -41,21 +44,31 @@ def weight_bytes_per_step(runner: TextModelRunner) -> int:
 
 
 def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -> float:
-    """Bytes per second one large matrix-vector product streams (median of ``repeats``)."""
+    """Bytes per second one large matrix-vector product streams (median of ``repeats``), by the
+    faster of ATen's ``F.linear`` and oneDNN with a pre-packed weight (what the runner uses on
+    a CPU, ``epd.kernels.PackedLinear``): the floor is the best this machine streams weights."""
     cols = 1024
     rows = _GEMV_BYTES // (cols * torch.empty((), dtype=dtype).element_size())
     matrix = torch.randn(rows, cols, dtype=torch.float32, device=device).to(dtype)
     vector = torch.randn(1, cols, dtype=dtype, device=device)
+    products = [functools.partial(torch.nn.functional.linear, weight=matrix)]
+    if kernels.can_prepack(device, dtype):
+        products.append(kernels.PackedLinear(matrix))
+    best = min(_median_time(product, vector, device, repeats) for product in products)
+    return matrix.numel() * matrix.element_size() / best
+
+
+def _median_time(product, vector: torch.Tensor, device: torch.device, repeats: int) -> float:
     times = []
     with torch.inference_mode():
-        torch.nn.functional.linear(vector, matrix)  # warm-up
+        product(vector)  # warm-up
         for _ in range(repeats):
             _sync(device)
             start = time.perf_counter()
-            torch.nn.functional.linear(vector, matrix)
+            product(vector)
             _sync(device)
             times.append(time.perf_counter() - start)
-    return matrix.numel() * matrix.element_size() / statistics.median(times)
+    return statistics.median(times)
 
 
 def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, warmup: int = 2) -> float:
@@ -131,8 +144,17 @@ def machine_info() -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),  # MKL and oneDNN rank differently on Intel and AMD CPUs
         "torch": torch.__version__,
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _sync(device: torch.device) -> None:

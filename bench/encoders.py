@@ -18,6 +18,7 @@ Fresh images every time: a store hit would skip the encoders.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import statistics
@@ -57,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         status = ray.get(stack.controller.status.remote())
-        encoder = epd_pb2_grpc.EncoderStub(rpc.channel(status["roles"]["encode"][0]["address"]))
+        internal = rpc.internal_transport(stack.deploy.serve.security)  # the Encoder service is internal
+        encoder = functools.partial(
+            epd_pb2_grpc.EncoderStub(internal.channel(status["roles"]["encode"][0]["address"])).Encode,
+            metadata=internal.metadata)
         for count in counts:
             ray.get(stack.controller.scale.remote("encoder", count))
             concurrency = args.concurrency or 2 * count
@@ -78,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _encode(encoder: epd_pb2_grpc.EncoderStub, images: list[bytes], concurrency: int) -> float:
-    """Encode ``images`` as concurrent one-image calls; returns the wall time."""
+def _encode(encode, images: list[bytes], concurrency: int) -> float:
+    """Encode ``images`` as concurrent one-image calls (``encode``: the Encode call); returns the wall time."""
     def one(index_and_data):
         index, data = index_and_data
         key = f"epd:emb:v1:bench:{hashlib.sha256(data).hexdigest()}"  # a fresh image: a fresh key
-        reply = encoder.Encode(epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=key, data=data)]), timeout=600)
+        reply = encode(epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=key, data=data)]), timeout=600)
         if reply.images[0].error:
             raise RuntimeError(reply.images[0].error)
 

@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = command("serve", help="start every role on a local Ray instance")
     flags.add_flags(serve, flags.SERVE)
+    flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
     _add_log_flags(serve)
     serve.set_defaults(func=_cmd_serve, parser=serve)
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy = command("deploy", help="place every role on a running Ray cluster by Ray resources")
     deploy.add_argument("--address", required=True, type=_address, help="Ray cluster address (HEAD_IP:6379)")
     flags.add_flags(deploy, flags.DEPLOY)
+    flags.add_secret_files(deploy)
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
@@ -162,6 +164,11 @@ def _add_generate_parser(command) -> None:
                      help="seconds before giving up (default: no limit)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with the result as the last line (default: off)")
+    gen.add_argument("--api-key", default=None, metavar="KEY",
+                     help="sent as `authorization: Bearer KEY` (default: EPD_API_KEY when set)")
+    gen.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="connect with TLS, trusting this CA (or the server's self-signed certificate) (default: "
+                          "plaintext)")
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
 
@@ -302,9 +309,9 @@ def _cmd_bench(args) -> int:
     try:
         stack = None
         if args.model:
-            http = {"serve__http__port": 0} if args.api == "openai" and not hasattr(args, "http_port") else {}
-            stack = flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model,
-                                        **http, **_api_key_from_env())
+            http = {"serve__http__port": 0} if args.api == "openai" else {}
+            stack = flags.with_secrets(flags.deploy_config(args, flags.BENCH_STACK, args.config,
+                                                           serve__model_dir=args.model, **http), args, {})
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
@@ -362,7 +369,7 @@ def _cmd_serve(args) -> int:
 
     _setup_logging(args)
     try:
-        config = flags.deploy_config(args, flags.SERVE, args.config, **_api_key_from_env())
+        config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
     for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
@@ -374,8 +381,9 @@ def _cmd_serve(args) -> int:
     try:
         address = stack.start()
         print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        scheme = "https" if config.serve.security.tls_cert else "http"
         for http in stack.http_addresses():
-            print(f"epd http at http://{http}/v1", flush=True)
+            print(f"epd http at {scheme}://{http}/v1", flush=True)
         print(f"epd ready at {address}", flush=True)
         wait_forever()
     except KeyboardInterrupt:
@@ -392,12 +400,6 @@ def _cmd_serve(args) -> int:
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
     return 0
-
-
-def _api_key_from_env() -> dict:
-    """The public API key from EPD_API_KEY (an environment variable, so it never shows in `ps`)."""
-    key = os.environ.get("EPD_API_KEY", "")
-    return {"serve__security__api_key": key} if key else {}
 
 
 def _port_in_use(host: str, port: int) -> str:
@@ -437,7 +439,8 @@ def _cmd_deploy(args) -> int:
     from epd.config import ConfigError
 
     try:
-        config = flags.deploy_config(args, flags.DEPLOY, args.config, bind="node", **_api_key_from_env())
+        config = flags.with_secrets(flags.deploy_config(args, flags.DEPLOY, args.config, bind="node"), args,
+                                    os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
     _setup_logging(args)
@@ -460,8 +463,9 @@ def _cmd_deploy(args) -> int:
             pass
         handle = controller.create_controller(config, detached=True)
         status = ray.get(handle.status.remote())
+        scheme = "https" if config.serve.security.tls_cert else "http"
         for http in ray.get(handle.http_addresses.remote()):
-            print(f"epd http at http://{http}/v1", flush=True)
+            print(f"epd http at {scheme}://{http}/v1", flush=True)
         for address in ray.get(handle.router_addresses.remote()):
             print(f"epd ready at {address}", flush=True)
         print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
@@ -505,18 +509,18 @@ def _cmd_status(args) -> int:
 
     try:
         status = ray.get(handle.status.remote())
-        try:
-            status["placements"] = controller.placements(args.namespace, args.address)
-        except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
-            status["placements"] = []
-            print(f"epd status: no placements from Ray's state API ({type(error).__name__}: {error}); "
-                  "start the head with its dashboard to see them", file=sys.stderr)
+        status["placements"] = []
+        if args.json:  # every actor of the deployment as Ray's state API sees it (needs the dashboard)
+            try:
+                status["placements"] = controller.placements(args.namespace, args.address)
+            except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
+                print(f"epd status: no placements from Ray's state API ({type(error).__name__})", file=sys.stderr)
     finally:
         ray.shutdown()
     if args.json:
         print(json.dumps(status))
         return 0
-    where = {row["name"]: row["node_ip"] for row in status["placements"]}
+    where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
         counts = status["counts"][role]
         life = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
@@ -541,9 +545,12 @@ def _cmd_down(args) -> int:
     from control import controller
 
     try:
-        controller.stop_controller(handle)
+        drained = controller.stop_controller(handle, drain=True)
     finally:
         ray.shutdown()
+    if drained.get("in_flight"):
+        print(f"drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
+              f"{drained['cut']} cut at the drain timeout")
     print(f"epd deployment {args.namespace!r} stopped")
     return 0
 
@@ -575,8 +582,13 @@ def _cmd_generate(args) -> int:
     )
     on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:
-        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout,
-                                 api_key=os.environ.get("EPD_API_KEY") or None)
+        tls_ca = client.read_ca(args.tls_ca)
+    except ValueError as error:
+        args.parser.error(str(error))
+    api_key = args.api_key or os.environ.get("EPD_API_KEY") or None
+    try:
+        result = client.generate(args.addr, request, on_text=on_text, timeout_s=args.timeout, api_key=api_key,
+                                 tls_ca=tls_ca)
     except grpc.RpcError as error:
         print(f"{error.code().name}: {error.details()}", file=sys.stderr)
         return 1

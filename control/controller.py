@@ -72,6 +72,7 @@ class Controller:
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._probes = ThreadPoolExecutor(8, thread_name_prefix="probe")
+        self._internal = rpc.internal_transport(config.serve.security)  # how the probes reach internal servers
         self.decisions: list[dict] = []
         self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
@@ -95,11 +96,12 @@ class Controller:
             time.sleep(0.2)
         return self.router_addresses()
 
-    def drain_routers(self, timeout_s: float) -> dict:
+    def drain_routers(self, timeout_s: float | None = None) -> dict:
         """Graceful shutdown's first step: every router stops taking requests and finishes (or,
-        after ``timeout_s``, cuts) the ones it carries. Reconciling and autoscaling stop first: a
-        router that says NOT_SERVING now is leaving, not failing."""
+        after ``timeout_s``, by default the deployment's ``drain_timeout_s``, cuts) the ones it carries.
+        Reconciling and autoscaling stop first: a router that says NOT_SERVING now is leaving, not failing."""
         self._stop.set()
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             routers = [h for n, h in self._handles.items() if n.startswith("router-")]
         results = ray.get([h.drain.remote(timeout_s) for h in routers], timeout=timeout_s + 60)
@@ -138,15 +140,17 @@ class Controller:
         """Replicas per role (name, address, node, health), their life events, autoscaling."""
         roles: dict[str, list] = {role: [] for role in ROLES}
         registered = {e.name: e for e in self._endpoints()}
+        node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         with self._lock:
             replicas = list(self.fleet.replicas.values())
         for replica in replicas:
             e = registered.get(replica.name)
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
+                "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
                 "http_address": e.http_address if e else "",
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
-                "state": "serving" if replica.healthy else "starting" if not replica.registered else "unhealthy"})
+                "state": _state(replica)})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
                   for role in ROLES}
         return {"namespace": self.config.namespace, "roles": roles, "desired": dict(self._desired),
@@ -320,7 +324,12 @@ class Controller:
             self._stop.wait(self.config.probe_interval_s)
 
     def _reconcile(self) -> None:
-        endpoints = {e.name: e for e in self._endpoints()}
+        view = ray.get(self.registry.snapshot.remote(), timeout=30)
+        with self._lock:
+            known = sum(r.registered for r in self.fleet.replicas.values())
+        if view.warming and len(view.endpoints) < known:
+            return  # a restarted registry is being refilled by heartbeats: judge nobody by it yet
+        endpoints = {e.name: e for e in view.endpoints}
         with self._lock:
             names = list(self._handles.items())
         probes = list(self._probes.map(lambda item: self._probe(item[0], item[1], endpoints.get(item[0])), names))
@@ -332,8 +341,11 @@ class Controller:
                 level = logging.INFO if event.kind in ("joined", "recovered") else logging.WARNING
                 log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
                         f" after {event.seconds:.1f}s" if event.seconds else "")
-            if endpoint is not None and endpoint.healthy != (probe is Probe.SERVING) and probe is not Probe.DEAD:
-                self.registry.mark.remote(name, probe is Probe.SERVING)
+            # The registry's flag says whether the replica itself works: one that answers but says
+            # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
+            reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
+            if endpoint is not None and endpoint.healthy != reachable and probe is not Probe.DEAD:
+                self.registry.mark.remote(name, reachable)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
                 self._kill(name)
@@ -351,7 +363,7 @@ class Controller:
         """The serving path where there is one (gRPC health), else a call through Ray; when that
         fails, Ray tells whether the actor is gone for good."""
         if endpoint is not None and endpoint.address:
-            status = rpc.health_status(endpoint.address, timeout_s=self.config.probe_timeout_s)
+            status = self._health_status(name, handle, endpoint.address)
             if status is not None:
                 return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
         try:
@@ -362,9 +374,22 @@ class Controller:
             return Probe.UNREACHABLE
         return Probe.SERVING if endpoint is not None and not endpoint.address else Probe.UNREACHABLE
 
+    def _health_status(self, name: str, handle, address: str) -> int | None:
+        """grpc.health.v1 of the replica's server. A router with a public TLS certificate is asked
+        through Ray instead (its health computed on its serving loop): the controller holds no CA
+        for the public certificate."""
+        if not name.startswith("router-"):
+            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s, transport=self._internal)
+        if not self.config.serve.security.tls_cert:
+            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s)
+        try:
+            serving = ray.get(handle.health.remote(), timeout=self.config.probe_timeout_s)
+        except Exception:  # noqa: BLE001 - unreachable: the Ray call below tells dead from restarting
+            return None
+        return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
     def _endpoints(self) -> list[discovery.Endpoint]:
-        _, _, endpoints = ray.get(self.registry.snapshot.remote(), timeout=30)
-        return endpoints
+        return ray.get(self.registry.snapshot.remote(), timeout=30).endpoints
 
     # ------------------------------------------------------------ autoscaling
 
@@ -395,6 +420,12 @@ class Controller:
 
     def _host_for_metrics(self) -> str:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
+
+
+def _state(replica) -> str:
+    if not replica.registered:
+        return "starting"
+    return "serving" if replica.healthy else replica.last_probe
 
 
 def _seq_of(name: str) -> int:
@@ -467,12 +498,21 @@ def create_controller(config: DeployConfig, detached: bool) -> ray.actor.ActorHa
     return controller
 
 
-def stop_controller(controller) -> None:
+def stop_controller(controller, drain: bool = False) -> dict:
+    """Stop the deployment; with ``drain``, let the routers finish the requests they carry first
+    (returns what the drain did)."""
+    drained: dict = {}
+    if drain:
+        try:
+            drained = ray.get(controller.drain_routers.remote(), timeout=86400)
+        except Exception as error:  # noqa: BLE001 - stop regardless
+            log.warning("drain failed: %s", error)
     try:
         ray.get(controller.shutdown.remote(), timeout=120)
     except Exception as error:  # noqa: BLE001 - kill it regardless
         log.warning("controller shutdown failed: %s", error)
     ray.kill(controller, no_restart=True)
+    return drained
 
 
 def connect(address: str, namespace: str) -> ray.actor.ActorHandle:

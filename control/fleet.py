@@ -36,6 +36,7 @@ class Replica:
     down_since: float | None = None
     replaces: str = ""  # the dead replica this one replaces
     replaces_dead_at: float = 0.0
+    last_probe: str = ""  # what the last probe said (Probe value)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Fleet:
         replica = self.replicas.get(name)
         if replica is None:
             return []
+        replica.last_probe = probe.value
         before = len(self.events)
         if probe is Probe.DEAD:
             self._event(now, replica, "died")

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 
-from epd import logs, rpc
+from epd import logs
 from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
@@ -29,6 +32,9 @@ REDIS_KEEPER_NAME = "redis"
 
 class LocalStack:
     def __init__(self, config: DeployConfig) -> None:
+        if not config.serve.security.internal_token:  # internal services only answer the deployment's own calls
+            security = replace(config.serve.security, internal_token=secrets.token_urlsafe(32))
+            config = replace(config, serve=replace(config.serve, security=security))
         self.deploy = config
         self.config = config.serve
         self.redis_keeper = None
@@ -59,10 +65,8 @@ class LocalStack:
             self._start_store()
             store = replace(self.config.store, redis_url=self.redis_url)
             deploy = replace(self.deploy, serve=replace(self.config, store=store))
-            self.controller = create_controller(deploy, detached=False)
+            self.controller = create_controller(deploy, detached=False)  # returns once every role serves
             self.addresses["router"] = self.router_addresses()[0]
-            for address in self.router_addresses():
-                rpc.wait_serving(address, timeout_s=60)
             return self.addresses["router"]
         except BaseException:
             self.stop()
@@ -107,9 +111,15 @@ class LocalStack:
     def _start_ray(self) -> None:
         import ray
 
+        # ray.init installs a native handler for SIGTERM that ends the process once it has printed a
+        # stack; the caller's own handling (epd serve drains first) must stay in force.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
                  configure_logging=False, runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),
                                                                        os.environ.get(logs.LEVEL_ENV, "INFO")))
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         self._ray_started = True
         self.ray_address = ray.get_runtime_context().gcs_address
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,7 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, TokenEvent
 from epd.config import DecodeConfig
 from epd.lm import HybridState, TextModelRunner
+from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, sample
 
@@ -40,6 +42,8 @@ class DecodeEngine:
         self._batch = DecodeBatch(runner)  # owned by the loop thread, changed under the lock
         self.steps = 0
         self.batch_sizes_total = 0  # sum of batch sizes over steps: mean batch = this / steps
+        self.largest_batch = 0
+        self.finished: Counter[str] = Counter()  # requests by finish reason
         self._lock = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
@@ -86,6 +90,23 @@ class DecodeEngine:
         """Requests decode still holds, finished ones whose stream has not come yet included."""
         with self._lock:
             return len(self.scheduler.requests)
+
+    def metrics(self) -> list[Family]:
+        with self._lock:
+            running, waiting = len(self.scheduler.slots), self.scheduler.num_waiting()
+            finished = dict(self.scheduler.finished)
+        family = counter("epd_decode_requests_finished_total", "Requests decode finished, by reason", "reason")
+        for reason, count in sorted(finished.items()):
+            family.add(count, reason)
+        return [
+            gauge("epd_decode_running_requests", "Requests in the decode batch").add(running),
+            gauge("epd_decode_waiting_requests", "Handed-off requests waiting for a slot in the batch").add(waiting),
+            counter("epd_decode_steps_total", "Batched decode steps").add(self.steps),
+            counter("epd_decode_batch_rows_total", "Rows over all decode steps (mean batch = this / steps)")
+            .add(self.batch_sizes_total),
+            gauge("epd_decode_largest_batch", "The largest batch a step has run").add(self.largest_batch),
+            family,
+        ]
 
     def stop(self) -> None:
         with self._lock:
@@ -142,6 +163,7 @@ class DecodeEngine:
         logits = self.runner.decode_step(self._batch, tokens, positions_)
         self.steps += 1
         self.batch_sizes_total += len(members)
+        self.largest_batch = max(self.largest_batch, len(members))
         return logits
 
     def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:

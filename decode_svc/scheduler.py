@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,7 @@ class DecodeScheduler:
         self.max_batch_size = max_batch_size
         self.requests: dict[str, DecodeRequest] = {}
         self.slots: list[DecodeRequest] = []  # slots[i] decodes in batch slot i
+        self.finished: Counter[str] = Counter()  # requests by finish reason, ever
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------ arrivals and streams
@@ -169,6 +171,7 @@ class DecodeScheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.state = None
+        self.finished[reason.value] += 1
         if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
             request.publish(TokenEvent(token_id=-1, logprobs=None, finish_reason=reason))
 

@@ -15,6 +15,7 @@ from epd import errors, handoff, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
+from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.tensors import configure_threads
@@ -87,10 +88,11 @@ class DecodeServer(rpc.RoleServer):
         config = serve.decode
         configure_threads(config.num_threads)
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
-                    context.host)
+                    context.host, rpc.internal_transport(serve.security))
+        self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address())
 
     def in_flight(self) -> int:
@@ -102,3 +104,5 @@ class DecodeServer(rpc.RoleServer):
         self.membership.close()
         super().stop(grace_s)
         self.engine.stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, imaging
+from epd import checkpoint, errors, imaging
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -53,9 +53,10 @@ class EncodeResult:
 
 @dataclass
 class _Job:
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     grid_thw: tuple[int, int, int]
     done: Future
+    cancelled: bool = False  # its caller went away: dropped before it reaches a forward
 
     @property
     def num_patches(self) -> int:
@@ -77,6 +78,9 @@ class EncoderEngine:
         self.max_batch_patches = config.max_batch_patches
         self.num_encoded = 0
         self.num_batches = 0
+        self.num_dropped = 0  # images cancelled before their forward
+        self._jobs: dict[str, _Job] = {}  # the encodes this replica holds, by store key
+        self._jobs_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._batch_loop, name="encode-batcher", daemon=True)
         self._thread.start()
@@ -97,14 +101,22 @@ class EncoderEngine:
         result when ``inline`` or when the store cannot be reached. Bad input comes back as
         ``error``, never raised."""
         start = time.perf_counter()
+        job = _Job(None, (0, 0, 0), Future())
+        with self._jobs_lock:
+            self._jobs[store_key] = job
         try:
-            settings = self.settings.with_max_pixels(max_pixels or None)
-            pixel_values, grid_thw = imaging.load_pixels(data, settings)
-        except imaging.ImageError as error:
-            return EncodeResult(store_key=store_key, error=str(error))
-        job = _Job(pixel_values, grid_thw, Future())
-        self._queue.put(job)
-        embeds = job.done.result()  # the batch's exception, if it failed, is raised here
+            try:
+                settings = self.settings.with_max_pixels(max_pixels or None)
+                job.pixel_values, job.grid_thw = imaging.load_pixels(data, settings)
+            except imaging.ImageError as error:
+                return EncodeResult(store_key=store_key, error=str(error))
+            grid_thw = job.grid_thw
+            self._queue.put(job)
+            embeds = job.done.result()  # the batch's exception (or the cancel), if any, is raised here
+        finally:
+            with self._jobs_lock:
+                if self._jobs.get(store_key) is job:
+                    del self._jobs[store_key]
         embedding = Embedding(tensor=embeds, grid_thw=grid_thw)
         written = time.perf_counter()
         try:
@@ -121,6 +133,15 @@ class EncoderEngine:
             embedding=encode_value(store_key, embedding) if inline else b"",
         )
 
+    def cancel(self, store_key: str) -> bool:
+        """Nobody waits for this image any more: drop it if it has not reached a forward yet."""
+        with self._jobs_lock:
+            job = self._jobs.get(store_key)
+            if job is None:
+                return False
+            job.cancelled = True
+            return True
+
     def stop(self) -> None:
         if self._membership is not None:
             self._membership.close()
@@ -134,6 +155,12 @@ class EncoderEngine:
             if first is STOP:
                 return
             batch, carry = next_batch(first, self._queue, self.max_batch_patches)
+            for job in [j for j in batch if j.cancelled]:
+                self.num_dropped += 1
+                job.done.set_exception(errors.Cancelled("encode: cancelled before its forward"))
+            batch = [j for j in batch if not j.cancelled]
+            if not batch:
+                continue
             try:
                 outputs = self._run_vision([j.pixel_values for j in batch], [j.grid_thw for j in batch])
             except Exception as error:  # noqa: BLE001 - fail this batch's calls, keep serving
@@ -158,7 +185,8 @@ class EncoderEngine:
         return [piece.contiguous() for piece in torch.split(out, sizes)]
 
     def stats(self) -> dict[str, int]:
-        return {"num_encoded": self.num_encoded, "num_batches": self.num_batches, "pid": os.getpid()}
+        return {"num_encoded": self.num_encoded, "num_batches": self.num_batches, "num_dropped": self.num_dropped,
+                "pid": os.getpid()}
 
 
 def next_batch(first, waiting: queue.Queue, max_patches: int) -> tuple[list, object | None]:

@@ -32,27 +32,33 @@ class ReplicaPool:
 
     def __init__(self) -> None:
         self.balancer = discovery.Balancer("encoder")
-        self._in_flight: dict[str, asyncio.Future] = {}
+        self._in_flight: dict[str, _Flight] = {}
         self.num_retried = 0
+        self.num_cancelled = 0
 
     async def encode(self, item: epd_pb2.EncodeItem) -> EncodeResult:
-        """Encode one image, or wait for the encode of the same key already in flight."""
-        shared = self._in_flight.get(item.store_key)
-        if shared is not None:
-            return await asyncio.shield(shared)
-        future = asyncio.get_running_loop().create_future()
-        self._in_flight[item.store_key] = future
+        """Encode one image, or wait for the encode of the same key already in flight. The encode
+        runs as a task of its own: when every caller waiting for it has gone, it is dropped."""
+        flight = self._in_flight.get(item.store_key)
+        if flight is None:
+            flight = self._in_flight[item.store_key] = _Flight(asyncio.ensure_future(self._encode_somewhere(item)))
+            flight.task.add_done_callback(lambda _: self._forget(item.store_key, flight))
+        flight.waiters += 1
         try:
-            result = await self._encode_somewhere(item)
-        except BaseException as error:
-            future.set_exception(error)
-            future.exception()  # retrieved: nobody else may be waiting
+            return await asyncio.shield(flight.task)
+        except asyncio.CancelledError:
+            if flight.waiters == 1 and not flight.task.done():
+                flight.task.cancel()
+                self.num_cancelled += 1
             raise
-        else:
-            future.set_result(result)
-            return result
         finally:
-            del self._in_flight[item.store_key]
+            flight.waiters -= 1
+
+    def _forget(self, key: str, flight: _Flight) -> None:
+        if self._in_flight.get(key) is flight:
+            del self._in_flight[key]
+        if not flight.task.cancelled():
+            flight.task.exception()  # retrieved: every waiter may have left
 
     async def _encode_somewhere(self, item: epd_pb2.EncodeItem) -> EncodeResult:
         tried: set[str] = set()
@@ -60,10 +66,16 @@ class ReplicaPool:
             name, endpoint = self.balancer.pick(exclude=tried)
             ok = None
             try:
+                if self.balancer.suspect(name) and not await _answers(endpoint.handle):
+                    # A replica Ray is restarting would hold the image until it is back: try elsewhere.
+                    raise ray.exceptions.ActorUnavailableError("no answer to a ping", None)
                 ref = endpoint.handle.encode.remote(item.store_key, item.data, item.max_pixels, item.inline)
                 result = await asyncio.wrap_future(ref.future())
                 ok = True
                 return result
+            except asyncio.CancelledError:
+                endpoint.handle.cancel.remote(item.store_key)  # nobody waits: drop it before its forward
+                raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
                 ok = False
                 tried.add(name)
@@ -81,6 +93,22 @@ class ReplicaPool:
     def load(self) -> tuple[int, int]:
         """(images queued or running over every replica, replicas taking work)."""
         return sum(self.balancer.outstanding().values()), self.balancer.num_available()
+
+
+async def _answers(handle, timeout_s: float = 1.0) -> bool:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(handle.ping.remote().future()), timeout_s)
+        return True
+    except (asyncio.TimeoutError, ray.exceptions.RayError):
+        return False
+
+
+class _Flight:
+    """One encode in flight and how many callers wait for it."""
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.waiters = 0
 
 
 class EncoderServicer(epd_pb2_grpc.EncoderServicer):
@@ -116,7 +144,8 @@ class EncodeServer(rpc.RoleServer):
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
                                               context.poll_s, self.pool.balancer.outstanding)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
-                    context.host, healthy=lambda: self.pool.balancer.num_available() > 0)
+                    context.host, rpc.internal_transport(serve.security),
+                    healthy=lambda: self.pool.balancer.num_available() > 0)
         self.membership = discovery.Membership(context, address=self.address())
 
     def outstanding(self, name: str) -> int:

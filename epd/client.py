@@ -7,6 +7,8 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from epd import dataurl, rpc
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
@@ -136,19 +138,31 @@ def _read_image(path: str, where: str) -> bytes:
         raise ValueError(f"{where}: cannot read image {path}: {error.strerror}") from None
 
 
+def read_ca(path: str | None) -> bytes | None:
+    """A PEM file's bytes (None for no path); ValueError naming the problem."""
+    return rpc.read_pem(path or "")
+
+
+def connect(address: str, api_key: str | None = None, tls_ca: bytes | None = None) -> tuple[grpc.Channel, tuple]:
+    """A channel to a router (TLS when ``tls_ca`` is given) and the metadata every call carries."""
+    transport = rpc.Transport("authorization", f"Bearer {api_key}" if api_key else "", ca=tls_ca)
+    return transport.channel(address), transport.metadata
+
+
 def stream(address: str, request: epd_pb2.GenerateRequest, timeout_s: float | None = None,
-           api_key: str | None = None) -> Iterable[epd_pb2.GenerateResponse]:
-    """``api_key``: sent as ``authorization: Bearer KEY`` (a deployment started with one requires it)."""
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    with rpc.channel(address) as chan:
+           api_key: str | None = None, tls_ca: bytes | None = None) -> Iterable[epd_pb2.GenerateResponse]:
+    chan, metadata = connect(address, api_key, tls_ca)
+    with chan:
         yield from epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def generate(address: str, request: epd_pb2.GenerateRequest, on_text: Callable[[str], None] | None = None,
-             timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
-    """Run one request to the end; raises grpc.RpcError on failure."""
+             timeout_s: float | None = None, api_key: str | None = None,
+             tls_ca: bytes | None = None) -> GenerateResult:
+    """Run one request to the end; raises grpc.RpcError on failure. ``api_key`` is sent as
+    ``authorization: Bearer KEY``; ``tls_ca`` (PEM bytes) makes the connection TLS."""
     result = GenerateResult()
-    for event in stream(address, request, timeout_s, api_key):
+    for event in stream(address, request, timeout_s, api_key, tls_ca):
         if event.WhichOneof("event") == "summary":
             result.summary = event.summary
             continue

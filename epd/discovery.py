@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -41,6 +42,18 @@ log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry"
 HEARTBEAT_S = 1.0
 WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
+WARMUP_S = 3 * HEARTBEAT_S  # a restarted registry is refilled by the replicas' heartbeats within this
+
+
+@dataclass(frozen=True)
+class View:
+    """What the registry says at one moment."""
+
+    epoch: str
+    version: int
+    endpoints: list
+    warming: bool = False
+    """The registry started less than ``WARMUP_S`` ago: replicas may still be registering again."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,8 @@ class Endpoint:
     """The Ray actor handle (encoder replicas are called through it)."""
     incarnation: str = ""
     """Differs each time the replica's process starts (a Ray restart gives a new one)."""
+    pid: int = 0
+    """Its process id on its node (operators and fault tests find the process with it)."""
     draining: bool = False
     """Being removed: it finishes what it holds but takes no new work."""
     healthy: bool = True
@@ -104,6 +119,7 @@ class Registry:
 
     def __init__(self) -> None:
         self.epoch = uuid.uuid4().hex
+        self._started = time.monotonic()
         self._endpoints: dict[str, Endpoint] = {}
         self._removed: set[str] = set()
         self._version = 0
@@ -141,12 +157,13 @@ class Registry:
             del self._watchers[watcher]
         return self._bump()
 
-    def snapshot(self, watcher: str = "", role: str = "") -> tuple[str, int, list[Endpoint]]:
+    def snapshot(self, watcher: str = "", role: str = "") -> View:
         """Every endpoint, with the epoch and version; a watcher is known from its first read on,
         so a drain waits for it even before it has acknowledged anything."""
         if watcher and watcher not in self._watchers:
             self._watchers[watcher] = _Watcher(role)
-        return self.epoch, self._version, list(self._endpoints.values())
+        return View(self.epoch, self._version, list(self._endpoints.values()),
+                    warming=time.monotonic() - self._started < WARMUP_S)
 
     def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
         if epoch == self.epoch:
@@ -183,7 +200,7 @@ class Membership:
         self.registry = context.registry
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
-                                 incarnation=uuid.uuid4().hex, http_address=http_address)
+                                 incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address)
         ray.get(self.registry.register.remote(self.endpoint), timeout=60)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership", daemon=True)
@@ -224,11 +241,13 @@ class RegistryWatch:
     def sync(self) -> None:
         import ray
 
-        epoch, version, endpoints = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
-        if (epoch, version) != self.seen:
-            self.on_change([e for e in endpoints if e.role == self.role])
-            self.seen = (epoch, version)
-        self.registry.ack.remote(self.watcher, self.role, epoch, version, self.outstanding())
+        view = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
+        if view.warming and self.seen[0] and view.epoch != self.seen[0]:
+            return  # Ray restarted the registry: keep the last view until the replicas are back in it
+        if (view.epoch, view.version) != self.seen:
+            self.on_change([e for e in view.endpoints if e.role == self.role])
+            self.seen = (view.epoch, view.version)
+        self.registry.ack.remote(self.watcher, self.role, view.epoch, view.version, self.outstanding())
 
     def _loop(self) -> None:
         failing = False
@@ -296,6 +315,11 @@ class Balancer:
             if ok is False:
                 log.warning("%s %s failed; out of rotation for %.1f s", self.role, name, breaker.retry_at - now)
 
+    def suspect(self, name: str) -> bool:
+        """The replica failed lately (a call to it now is the trial that decides)."""
+        with self._lock:
+            return not self._breaker(name).closed
+
     def num_available(self) -> int:
         """Replicas that would take a call now (health reports read this)."""
         now = time.monotonic()
@@ -324,10 +348,12 @@ class Targets:
     """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
     least busy allowed replica and tries the others when the replica itself fails."""
 
-    def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext) -> None:
+    def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext,
+                 transport: rpc.Transport) -> None:
         self.role = role
         self.balancer = Balancer(role)
-        self.stubs = rpc.StubCache(make_stub)
+        self.stubs = rpc.StubCache(make_stub, transport)
+        self.metadata = transport.metadata
         self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
                                     self.balancer.outstanding)
 
@@ -345,7 +371,8 @@ class Targets:
             try:
                 request = request_or_factory() if callable(request_or_factory) else request_or_factory
                 remaining = None if deadline is None else max(0.05, deadline - time.monotonic())
-                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining)
+                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining,
+                                                                       metadata=self.metadata)
                 ok = True
                 return reply, address
             except grpc.aio.AioRpcError as error:
@@ -363,17 +390,17 @@ class Targets:
         self._watch.close()
 
 
-def encoder_targets(context: RoleContext) -> Targets:
+def encoder_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
     """The Encoder service(s), as the router calls them."""
-    return Targets("encode", epd_pb2_grpc.EncoderStub, context)
+    return Targets("encode", epd_pb2_grpc.EncoderStub, context, transport)
 
 
-def prefill_targets(context: RoleContext) -> Targets:
-    return Targets("prefill", epd_pb2_grpc.PrefillStub, context)
+def prefill_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
+    return Targets("prefill", epd_pb2_grpc.PrefillStub, context, transport)
 
 
-def decode_targets(context: RoleContext) -> Targets:
-    return Targets("decode", epd_pb2_grpc.DecodeStub, context)
+def decode_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
+    return Targets("decode", epd_pb2_grpc.DecodeStub, context, transport)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -194,6 +196,106 @@ class InFlightCounter(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+class RequireToken(grpc.aio.ServerInterceptor):
+    """Refuses every call (health checks aside) that does not carry ``value`` in the metadata
+    ``key`` with UNAUTHENTICATED. The public fronts check ``authorization: Bearer KEY`` (server
+    reflection included: it follows the API's rules); internal services the deployment's token.
+    Compared in constant time; never logged."""
+
+    OPEN = ("/grpc.health.",)
+
+    def __init__(self, key: str, value: str, what: str) -> None:
+        self.key, self.value, self.what = key, value.encode(), what
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.OPEN):
+            return handler
+        sent = dict(handler_call_details.invocation_metadata or ()).get(self.key, "")
+        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self.value):
+            return handler
+        return _refusing(handler, f"{self.what} required")
+
+
+def _refusing(handler, message: str):
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - never reached: makes this an async generator
+
+    if handler.unary_unary:
+        return handler._replace(unary_unary=unary)
+    if handler.stream_unary:
+        return handler._replace(stream_unary=unary)
+    if handler.unary_stream:
+        return handler._replace(unary_stream=stream)
+    return handler._replace(stream_stream=stream)
+
+
+INTERNAL_TOKEN_KEY = "x-epd-internal"
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How a process reaches (or serves) a set of endpoints: a token sent as metadata and, when
+    certificates are given, TLS (mutual when both sides present one)."""
+
+    token_key: str = INTERNAL_TOKEN_KEY
+    token: str = field(default="", repr=False)
+    ca: bytes | None = field(default=None, repr=False)  # PEM: the CA that signed the peer's certificate
+    cert: bytes | None = field(default=None, repr=False)  # PEM: our certificate chain
+    key: bytes | None = field(default=None, repr=False)  # PEM: our private key
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((self.token_key, self.token),) if self.token else ()
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        if self.ca is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.ca is None:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.ca, self.key, self.cert),
+                                   options=CHANNEL_OPTIONS)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if self.cert is None or self.key is None:
+            return None
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=self.ca is not None)
+
+    def interceptors(self, what: str) -> list[grpc.aio.ServerInterceptor]:
+        return [RequireToken(self.token_key, self.token, what)] if self.token else []
+
+
+def read_pem(path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror}") from None
+
+
+def internal_transport(security) -> Transport:
+    """Between roles: the deployment's token, and mutual TLS when internal certificates are given."""
+    return Transport(INTERNAL_TOKEN_KEY, security.internal_token, read_pem(security.internal_tls_ca),
+                     read_pem(security.internal_tls_cert), read_pem(security.internal_tls_key))
+
+
+def public_transport(security) -> Transport:
+    """The public fronts: the API key as ``authorization: Bearer KEY``, TLS when a certificate is given."""
+    return Transport("authorization", f"Bearer {security.api_key}" if security.api_key else "", None,
+                     read_pem(security.tls_cert), read_pem(security.tls_key))
+
+
 Service = tuple[Callable, object, str]  # (add_XServicer_to_server, servicer, full service name)
 
 
@@ -209,8 +311,10 @@ class RoleServer:
     host: str
     port: int
 
-    def _serve(self, services: Iterable[Service], host: str, port: int = 0,
-               healthy: Callable[[], bool] = lambda: True) -> None:
+    def _serve(self, services: Iterable[Service], host: str, transport: Transport, port: int = 0,
+               healthy: Callable[[], bool] = lambda: True, what: str = "the deployment's internal token",
+               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """Start the server: ``transport`` says who may call (its token, its certificates)."""
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]
@@ -218,8 +322,9 @@ class RoleServer:
         self.shutting_down = False
         self.events = EventLoop(self._service_names[0].rsplit(".", 1)[-1].lower())
         self._in_flight = InFlightCounter()
-        self.server, self.port, self._health = self.events.run(_start_server(services, self.host, port,
-                                                                             self._in_flight))
+        interceptors = [*transport.interceptors(what), self._in_flight]
+        self.server, self.port, self._health = self.events.run(_start_server(
+            services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes))
         self.events.run(_report_health(self))
         self._health_task = asyncio.run_coroutine_threadsafe(_health_loop(self), self.events.loop)
 
@@ -250,6 +355,13 @@ class RoleServer:
     def ping(self) -> bool:
         return True
 
+    def health(self) -> bool:
+        """What grpc.health.v1 says, asked on the serving loop (a wedged loop does not answer)."""
+        async def ask() -> bool:
+            return self.serving()
+
+        return self.events.run(ask(), timeout=5)
+
     def stop(self, grace_s: float = 1.0) -> None:
         self.start_shutdown()
         self._health_task.cancel()
@@ -260,13 +372,17 @@ class RoleServer:
 # Module functions, not methods: Ray would take a class with an ``async def`` for an async actor.
 
 
-async def _start_server(services: list[Service], host: str, port: int, in_flight: InFlightCounter):
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[in_flight])
+async def _start_server(services: list[Service], host: str, port: int, interceptors: list,
+                        credentials: grpc.ServerCredentials | None, max_receive_bytes: int):
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     for add, servicer, _ in services:
         add(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
@@ -298,22 +414,24 @@ class StubCache:
     """One asyncio channel and stub per address, made on first use and kept (channels reconnect on
     their own). Used on an event loop: the channels belong to it."""
 
-    def __init__(self, make_stub: Callable[[grpc.aio.Channel], object]) -> None:
+    def __init__(self, make_stub: Callable[[grpc.aio.Channel], object], transport: Transport) -> None:
         self._make_stub = make_stub
+        self.transport = transport
         self._stubs: dict[str, object] = {}
 
     def get(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self._stubs[address] = self._make_stub(grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+            stub = self._stubs[address] = self._make_stub(self.transport.aio_channel(address))
         return stub
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> int | None:
+def health_status(address: str, service: str = "", timeout_s: float = 2.0,
+                  transport: Transport | None = None) -> int | None:
     """What the server's grpc.health.v1 says (a ``HealthCheckResponse`` status), or None when it
     does not answer."""
     try:
-        with channel(address) as chan:
+        with (transport or Transport()).channel(address) as chan:
             reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service),
                                                            timeout=timeout_s)
         return reply.status

@@ -325,6 +325,8 @@ class PrefillEngine:
             gauge("epd_prefix_cache_entries", "Prefix snapshots held").add(pre.num_entries),
             counter("epd_prefix_cache_evictions_total", "Prefix snapshots evicted").add(pre.evictions),
             gauge("epd_prefill_waiting_prompts", "Prompts queued or part-way through their prefill").add(waiting),
+            counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
+                    "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]
 
 

@@ -70,11 +70,13 @@ class PrefillServer(rpc.RoleServer):
         config = serve.prefill
         configure_threads(config.num_threads)
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype)
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
-        self._decode = discovery.decode_targets(context)
+        internal = rpc.internal_transport(serve.security)
+        self._decode = discovery.decode_targets(context, internal)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),
-                      "epd.v1.Prefill")], context.host, healthy=lambda: self._decode.balancer.num_available() > 0)
+                      "epd.v1.Prefill")], context.host, internal,
+                    healthy=lambda: self._decode.balancer.num_available() > 0)
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address())
 

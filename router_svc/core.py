@@ -42,55 +42,86 @@ from router_svc.text import TextStream
 log = logging.getLogger(__name__)
 
 MAX_RESUMES = 8  # a request moves to another decode worker at most this often
+STAGES = ("tokenize", "encode", "prefill", "decode")
 
 
 class RouterCore:
     def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
-                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets) -> None:
+                 encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets,
+                 encoder_replicas: discovery.Balancer | None = None) -> None:
         self.config = config
         self.builder = builder
         self.store = store
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
         self.encoder, self.prefill, self.decode = encoder, prefill, decode
+        self.encoder_replicas = encoder_replicas  # behind the Encoder services: watched for health only
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
-                        "retried_prefills": 0, "inline_images": 0}
+                        "retried_prefills": 0, "inline_images": 0, "refused": 0}
+        self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
         self.active: set[asyncio.Task] = set()
+        self.waiting = 0  # requests accepted and not yet streaming their first token
         self.refusing = False
 
     # ---------------------------------------------------------------- health
 
     def serving(self) -> bool:
-        """Every role this router calls has a replica that takes work."""
-        return not self.refusing and all(t.balancer.num_available() > 0 for t in (self.encoder, self.prefill, self.decode))
+        """Every role this router needs has a replica that takes work (encoder replicas too, behind
+        the Encoder services)."""
+        balancers = [t.balancer for t in (self.encoder, self.prefill, self.decode)]
+        if self.encoder_replicas is not None:
+            balancers.append(self.encoder_replicas)
+        return not self.refusing and all(b.num_available() > 0 for b in balancers)
 
     # ---------------------------------------------------------------- the request path
 
     async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
+        """The request's stream of chunks, then its summary. Refused at once (nothing is queued)
+        while the router shuts down, or when ``max_queued_requests`` requests already wait for
+        their first token. A client that leaves cancels the work wherever it is."""
         if self.refusing:
             raise errors.Unavailable("router: shutting down; send the request to another router")
+        limit = self.config.max_queued_requests
+        if limit and self.waiting >= limit:
+            self._count(refused=1)
+            raise errors.ResourceExhausted(f"router: {self.waiting} requests are already waiting for their first "
+                                           f"token (limit {limit}); retry in a few seconds or on another router")
         task = asyncio.current_task()
         self.active.add(task)
+        self.waiting += 1
+        run = _Run(client_id=request.request_id)
         try:
-            async for event in self._generate(request, timeout_s):
+            async for event in self._generate(request, timeout_s, run):
+                if run.stage != "decode":
+                    run.stage = "decode"  # the first chunk: streaming, no longer waiting
+                    self.waiting -= 1
                 yield event
+        except asyncio.CancelledError:
+            self._cancelled[run.stage] += 1
+            if run.unclaimed_decode:  # handed off, never streamed: free its decode slot now
+                asyncio.ensure_future(self._release_decode(run.request_id, run.unclaimed_decode))
+            raise
         finally:
+            if run.stage != "decode":
+                self.waiting -= 1
             self.active.discard(task)
 
-    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None):
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run):
         start = time.perf_counter()
-        sampling = self._resolve_sampling(request.sampling)
+        run.sampling = sampling = self._resolve_sampling(request.sampling)
         max_pixels = request.max_pixels if request.HasField("max_pixels") else None
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
-                                            request.enable_thinking)
+        run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
+                                                         request.enable_thinking)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
-        deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
-        run = _Run(prompt, sampling, deadline, client_id=request.request_id)
+        run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
 
+        run.stage = "encode"
         inline = await self._ensure_embeddings(run, force=False)
-        reply = await self._prefill(run, self._prefill_job(run, inline), inline)
+        run.stage = "prefill"
+        reply = await self._prefill(run, self._prefill_job(run, inline))
         run.timings.MergeFrom(_stage_timings(reply))
+        run.unclaimed_decode = reply.decode_addr
         ttft = time.perf_counter() - start
 
         text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
@@ -243,7 +274,6 @@ class RouterCore:
                                       f"promised {prompt.images[index].info.num_tokens}")
 
     def _prefill_job(self, run: _Run, inline: dict[str, bytes], generated: list[int] = ()) -> epd_pb2.PrefillRequest:
-        run.attempt += 1
         images = request_images_proto(run.prompt)
         for image in images:
             image.embedding = inline.get(image.store_key, b"")
@@ -256,7 +286,7 @@ class RouterCore:
             num_generated=len(generated),
         )
 
-    async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest, inline: dict[str, bytes]) -> epd_pb2.PrefillResponse:
+    async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
             reply, _ = await self.prefill.call("Prefill", job, run.remaining())
             return reply
@@ -276,7 +306,8 @@ class RouterCore:
         decode worker dies, resume elsewhere and go on exactly where the stream stopped."""
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
-                                                             timeout=run.remaining())
+                                                             timeout=run.remaining(), metadata=self.decode.metadata)
+            run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 async for batch in call:
                     delta = text.add(batch.token_ids)
@@ -308,7 +339,7 @@ class RouterCore:
                 await self._release_decode(run.request_id, reply.decode_addr)
                 yield FinishReason.STOP.value
                 return
-            decode_addr = reply.decode_addr
+            decode_addr = run.unclaimed_decode = reply.decode_addr
 
     async def _resume(self, run: _Run, generated: list[int], lost_addr: str,
                       error: grpc.aio.AioRpcError) -> epd_pb2.PrefillResponse:
@@ -322,12 +353,13 @@ class RouterCore:
         log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,
                     run.request_id, len(generated), error.code().name)
         run.request_id = uuid.uuid4().hex  # a new id: the old one may linger on a restarted worker
-        return await self._prefill(run, self._prefill_job(run, {}, list(generated)), {})
+        return await self._prefill(run, self._prefill_job(run, {}, list(generated)))
 
     async def _release_decode(self, request_id: str, decode_addr: str) -> None:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
         first token), freeing its decode slot now instead of when its lease runs out."""
-        call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10)
+        call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10,
+                                                         metadata=self.decode.metadata)
         try:
             await call.read()  # the claim has reached decode once anything comes back
         except grpc.aio.AioRpcError:
@@ -358,6 +390,12 @@ class RouterCore:
             counter("epd_prefill_retries_total", "Prefills repeated after an embedding went missing")
             .add(counts["retried_prefills"]),
             gauge("epd_store_reachable", "1 while the embedding store answers").add(int(self.store.reachable)),
+            gauge("epd_router_waiting_requests", "Requests accepted and not yet streaming their first token")
+            .add(self.waiting),
+            gauge("epd_router_running_requests", "Requests this router carries").add(len(self.active)),
+            counter("epd_requests_refused_total", "Requests refused by admission control (RESOURCE_EXHAUSTED)")
+            .add(counts["refused"]),
+            self._cancelled_family(),
         ]
         try:
             memory = self.store.memory_stats()
@@ -371,17 +409,27 @@ class RouterCore:
         ]
 
 
+    def _cancelled_family(self) -> Family:
+        family = counter("epd_requests_cancelled_total", "Requests whose client left, by the stage they were in",
+                         "stage")
+        for stage, count in self._cancelled.items():
+            family.add(count, stage)
+        return family
+
+
 class _Run:
     """One request's progress through the path: what the steps share."""
 
-    def __init__(self, prompt: Prompt, sampling: SamplingConfig, deadline: float, client_id: str) -> None:
-        self.prompt = prompt
-        self.sampling = sampling
-        self.deadline = deadline
+    prompt: Prompt
+    sampling: SamplingConfig
+    deadline: float
+
+    def __init__(self, client_id: str) -> None:
         self.client_id = client_id
         self.request_id = uuid.uuid4().hex  # internal: unique whatever the client sent
-        self.attempt = 0
         self.resumes = 0
+        self.stage = "tokenize"  # where the request is: tokenize, encode, prefill, decode
+        self.unclaimed_decode = ""  # a decode address holding a handoff no stream has claimed yet
         self.encoded: set[str] = set()  # store keys this request's encodes produced
         self.timings = epd_pb2.StageTimings()
 

@@ -109,8 +109,9 @@ class ChatOptions:
 class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
-                 metrics: Callable[[], list] | None = None) -> None:
+                 metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "") -> None:
         self.core, self.config, self.model_name = core, config, model_name
+        self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
         self.read_metrics = metrics
         self._api_key = api_key.encode()
         self.healthy, self.stats = healthy, stats
@@ -145,8 +146,9 @@ class HttpFront:
         sock.listen(1024)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
+        tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024, **tls)
         self.server = uvicorn.Server(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:

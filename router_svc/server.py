@@ -69,20 +69,26 @@ class RouterServer(rpc.RoleServer):
         config = serve.router
         info = ModelInfo.load(serve.model_dir)
         builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels)
-        self._targets = [discovery.encoder_targets(context), discovery.prefill_targets(context),
-                         discovery.decode_targets(context)]
+        internal = rpc.internal_transport(serve.security)
+        self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
+                         discovery.decode_targets(context, internal)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
-        self.core = RouterCore(config, builder, store, *self._targets)
+        encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
+        self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
+                                                 context.poll_s)]
+        self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders)
         self.stats = RequestStats()
         self.servicer = RouterServicer(self.core, self.stats)
-        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"),
-                     _REFLECTION], context.host, config.port, healthy=self.core.serving)
+        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"), _REFLECTION],
+                    context.host, rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
+                    what="an API key (authorization: Bearer KEY)")
         self.http = None
         if serve.http.port is not None:
             from router_svc.http import HttpFront, default_model_name
 
             self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
-                serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics)
+                serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics,
+                serve.security.tls_cert, serve.security.tls_key)
             self.events.run(self.http.start(self.host, serve.http.port))
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())
@@ -123,8 +129,8 @@ class RouterServer(rpc.RoleServer):
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()
-        for targets in self._targets:
-            targets.close()
+        for watched in (*self._targets, *self._watches):
+            watched.close()
         if self.http is not None:
             self.events.run(self.http.stop(), timeout=grace_s + 15)
         super().stop(grace_s)

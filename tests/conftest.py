@@ -53,19 +53,39 @@ class ServeProcess:
         raise RuntimeError(f"epd serve did not become ready:\n{self.log.read()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM) -> list[psutil.Process]:
-        """Send ``sig``, wait, and return whatever is still alive (should be nothing)."""
+        """Send ``sig``, wait, and return whatever is still alive (should be nothing): every
+        process it had at start and every one it has now (replicas Ray restarted are new ones)."""
+        watched = {p.pid: p for p in getattr(self, "descendants", [])}
         if self.proc.poll() is None:
+            try:
+                watched.update({p.pid: p for p in psutil.Process(self.proc.pid).children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=150)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        _, alive = psutil.wait_procs(getattr(self, "descendants", []), timeout=15)
+        alive = [p for p in watched.values() if _running(p)]
+        deadline = time.monotonic() + 15
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in alive if _running(p)]
         for p in alive:  # never leave a process behind, even when the assertion below fails
-            p.kill()
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.log.close()
         return alive
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return False
 
 
 def ray_address(server: ServeProcess) -> str:

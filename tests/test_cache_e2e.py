@@ -50,14 +50,20 @@ class Stack:
         return {m[0]: float(m[1]) for m in re.findall(r"^(\S+) (\S+)$", text, re.M)}
 
 
+TOKEN = "test-internal-token-0123456789"  # so the test may call the internal Encoder service itself
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     store = EmbeddedRedis(max_memory_mb=REDIS_MB)
     ports = _free_port(), _free_port()
+    token_file = tmp_path_factory.mktemp("secrets") / "internal-token"
+    token_file.write_text(TOKEN)
     serve = None
     try:
         serve = ServeProcess(
             tiny_model_dir, "--encoders", "2", "--redis", store.url, "--store-ttl-s", "600",
+            "--internal-token-file", str(token_file),
             "--embedding-cache-mb", str(LRU_MB), "--prefix-cache-mb", str(PREFIX_MB),
             "--prefix-block-size", str(BLOCK), "--snapshot-every-blocks", str(EVERY), "--prefill-chunk-tokens", "64",
             "--router-metrics-port", str(ports[0]), "--prefill-metrics-port", str(ports[1]), "--log-level", "INFO",
@@ -193,7 +199,8 @@ def test_a_value_prefill_cannot_use_costs_a_retry_not_a_failure(stack, oracle, t
     # A value under our key that belongs to another image: present for the router, unusable for prefill.
     with rpc.channel(stack.role_addrs["encode"]) as chan:
         epd_pb2_grpc.EncoderStub(chan).Encode(
-            epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=other_key, data=other)]), timeout=60)
+            epd_pb2.EncodeRequest(items=[epd_pb2.EncodeItem(store_key=other_key, data=other)]), timeout=60,
+            metadata=((rpc.INTERNAL_TOKEN_KEY, TOKEN),))
     raw = redis.Redis.from_url(stack.redis_url)
     raw.set(key, raw.get(other_key))
     result = chat(stack.addr, [user("Evicted?", image)], max_tokens=8)

@@ -36,7 +36,7 @@ def test_registry_drain_waits_for_every_watcher_and_its_calls_in_flight():
     assert registry.acked("decode", version) and not registry.acked("decode", version, "decode-2")
     registry.ack("prefill-2/decode", "decode", registry.epoch, version, {})
     assert registry.acked("decode", version, "decode-2")
-    _, _, endpoints = registry.snapshot()
+    endpoints = registry.snapshot().endpoints
     assert {e.name: e.draining for e in endpoints} == {"decode-1": False, "decode-2": True}
 
 
@@ -69,12 +69,12 @@ def test_heartbeats_restarts_health_and_removal():
     registry.mark("decode-1", healthy=False)
     registry.drain("decode-1")
     registry.register(Endpoint(name="decode-1", role="decode", address="h:new", incarnation="i2"))
-    (endpoint,) = registry.snapshot()[2]
+    (endpoint,) = registry.snapshot().endpoints
     # Ray restarted it: the new address, healthy again, but still draining (it is being removed).
     assert (endpoint.address, endpoint.healthy, endpoint.draining) == ("h:new", True, True)
     registry.remove("decode-1")
     registry.register(_ep("decode-1"))  # a late heartbeat from the removed replica
-    assert registry.snapshot()[2] == []
+    assert registry.snapshot().endpoints == []
 
 
 def test_balancer_spreads_calls_and_skips_draining_and_unhealthy_replicas():

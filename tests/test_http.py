@@ -108,7 +108,12 @@ def test_each_router_serves_http_and_reflection_on_its_own_ports(stack):
     https = {r["http_address"] for r in routers}
     assert stack.grpc in addresses and stack.http in https and set(http_lines) == https
     assert len(addresses | https) == 4  # four distinct ports
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def reflect(channel, metadata=None) -> list[str]:
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=30)
+        return [service.name for reply in replies for service in reply.list_services_response.service]
 
     for router in routers:
         with urllib.request.urlopen(f"http://{router['http_address']}/health", timeout=10) as response:
@@ -116,8 +121,10 @@ def test_each_router_serves_http_and_reflection_on_its_own_ports(stack):
         models = openai.OpenAI(base_url=f"http://{router['http_address']}/v1", api_key=KEY).models.list()
         assert [m.id for m in models.data] == [MODEL]
         with grpc.insecure_channel(router["address"]) as channel:
-            services = ProtoReflectionDescriptorDatabase(channel).get_services()
-        assert "epd.v1.Router" in services
+            assert "epd.v1.Router" in reflect(channel, (("authorization", f"Bearer {KEY}"),))
+            with pytest.raises(grpc.RpcError) as raised:  # under the API's access rules
+                reflect(channel)
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # The other router answers a request too (not only the one with the fixed ports).
         status, body = stack.post({"model": MODEL, "messages": _chat("hi"), "max_tokens": 2},
                                   address=router["http_address"])

@@ -1,0 +1,294 @@
+"""Qwen3.5's Gated DeltaNet kernels, vectorized in torch: what the runner calls instead of
+transformers' reference fallbacks.
+
+This module owns the arithmetic of a linear-attention layer: the chunked gated delta rule
+(prefill), its one-token recurrent step (decode), and the depthwise causal conv1d for a chunk and
+for one token, each carrying its state the way ``epd.lm.HybridState`` stores it (the conv window
+holds the last ``kernel`` inputs; the recurrent state is float32 ``[B, v_heads, k_dim, v_dim]``).
+
+Why not transformers' functions: they are its "reference" fallbacks (the chunked rule solves its
+triangular system twice per chunk and makes several extra passes over its inputs; the per-token
+rule reads the recurrent state a dozen times), and the packages they would defer to
+(flash-linear-attention, causal-conv1d) do not run on a CPU (Triton and CUDA only; see
+docs/bench/kernels.md). The GDN kernels are plain torch, so the same code runs on CUDA.
+Accumulation is float32 wherever transformers keeps it in float32.
+
+It also owns ``PackedLinear``, the runner's linear layers on a CPU (oneDNN with pre-packed weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+_L2_EPS = 1e-6  # transformers' l2norm epsilon (matches the FLA library)
+
+
+def _inverse_norm(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale / sqrt(|x|^2 + eps)`` over the last dim, float32, keepdim: transformers' l2norm
+    factor (eps inside the root, as the FLA library does), computed without a temporary x*x."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return norm.square_().add_(_L2_EPS).rsqrt_().mul_(scale)
+
+
+def _heads_first_float32(query, key, value, g, beta, use_qk_l2norm: bool, pad: int = 0):
+    """[B, T, heads, dim] inputs -> float32 [B, v_heads, T + pad, dim] (zero rows appended), keys
+    and queries repeated for GQA (each key head serves num_v_heads // num_k_heads consecutive
+    value heads), L2-normalised if asked, queries scaled by 1/sqrt(k_dim); ``g``/``beta`` become
+    [B, v_heads, T + pad]. Each tensor is written once: repeat, normalisation and scaling happen
+    in the transposing copy."""
+    num_v_heads, k_dim = value.shape[2], key.shape[-1]
+    q_scale, k_scale = k_dim**-0.5, None
+    if use_qk_l2norm:
+        q_scale, k_scale = _inverse_norm(query, q_scale), _inverse_norm(key)
+    query = _heads_first(query, pad, num_v_heads, q_scale)
+    key = _heads_first(key, pad, num_v_heads, k_scale)
+    value, g, beta = (_heads_first(t, pad, num_v_heads) for t in (value, g, beta))
+    return query, key, value, g, beta
+
+
+def _heads_first(x: torch.Tensor, pad: int, heads: int, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """[B, T, h, ...] -> contiguous float32 [B, heads, T + pad, ...], padding rows zero, each of
+    the h input heads repeated for heads // h consecutive output heads, times ``scale`` (a
+    number or [B, T, h, 1]) if given: one pass over the output."""
+    batch, length, h = x.shape[:3]
+    rest = x.shape[3:]
+    out = x.new_empty((batch, heads, length + pad, *rest), dtype=torch.float32)
+    dest = out.view(batch, h, heads // h, length + pad, *rest)[:, :, :, :length]
+    source = x.transpose(1, 2).unsqueeze(2).expand(dest.shape)  # a view: repeated by broadcasting
+    if scale is None:
+        dest.copy_(source)
+    else:
+        if isinstance(scale, torch.Tensor):
+            scale = scale.transpose(1, 2).unsqueeze(2)
+        torch.mul(source, scale, out=dest)
+    if pad:
+        out[:, :, length:] = 0.0
+    return out
+
+
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over a sequence, chunk-parallel; same contract as transformers'
+    ``torch_chunk_gated_delta_rule``.
+
+    ``query``/``key`` ``[B, T, k_heads, k_dim]``, ``value`` ``[B, T, v_heads, v_dim]``, ``g`` (log
+    decay, <= 0) and ``beta`` ``[B, T, v_heads]``, ``initial_state`` ``[B, v_heads, k_dim, v_dim]``.
+    Returns the output ``[B, T, v_heads, v_dim]`` in the query's dtype and, if asked, the final
+    float32 state. Within a chunk the UT system is inverted once (an explicit inverse of the unit
+    lower triangular matrix, then matrix products) rather than solved for each right-hand side.
+    """
+    out_dtype = query.dtype
+    length = key.shape[1]
+    # A prompt shorter than a chunk is one chunk of its own length: no padded rows to compute.
+    # Padding rows are zero: zero key, value and beta add nothing to the state, zero log-decay
+    # keeps it unchanged.
+    chunk = min(chunk_size, length)
+    pad = -length % chunk
+    query, key, value, g, beta = _heads_first_float32(query, key, value, g, beta, use_qk_l2norm_in_kernel, pad)
+    batch, heads, padded, k_dim = key.shape
+    num_chunks = padded // chunk
+    query, key, value = (t.view(batch, heads, num_chunks, chunk, -1) for t in (query, key, value))
+    beta = beta.view(batch, heads, num_chunks, chunk, 1)
+    cum = g.view(batch, heads, num_chunks, chunk).cumsum(dim=-1)  # log decay from chunk start
+
+    u, w, intra, query, key, chunk_decay = _chunk_intra(query, key, value, beta, cum)
+    state = _initial_state(initial_state, batch, heads, k_dim, value.shape[-1], value.device)
+    out = u.new_empty(batch, length, heads, value.shape[-1], dtype=out_dtype)
+    _chunk_scan(u, w, intra, query, key, chunk_decay, state, out)
+    return out, state if output_final_state else None
+
+
+def _chunk_intra(query, key, value, beta, cum):
+    """Everything that does not depend on the carried state, for all chunks at once.
+
+    Returns ``u`` (the chunk's values corrected by the UT transform), ``w`` (its decayed keys as
+    the transform mixes them), the causal intra-chunk attention, queries scaled by their decay
+    from the chunk start, keys scaled by their decay to the chunk end, and each chunk's total
+    decay. The per-row factors (beta, decay from the chunk start) are applied to the small
+    chunk x chunk matrices rather than to the chunk x dim operands: fewer passes over memory.
+    """
+    chunk = key.shape[-2]
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i; masked before exp so nothing overflows
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    key_t = key.transpose(-1, -2)
+    beta_row = beta.transpose(-1, -2)  # [.., 1, C]: scales column j by beta_j
+    # The UT system is I + strictly-lower(diag(beta) k k^T * decay): the solver reads only the
+    # strict lower triangle (unitriangular), so neither the diagonal nor the upper part is set.
+    system = (key @ key_t) * (decay * beta)
+    eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True) * beta_row
+    cum_exp = cum.exp().unsqueeze(-1)
+    u = inverse @ value  # inverse diag(beta) v
+    w = (inverse * cum_exp.transpose(-1, -2)) @ key  # inverse diag(beta exp(cum)) k
+    intra = (query @ key_t) * decay
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    return u, w, intra, query * cum_exp, key, cum[..., -1].exp()
+
+
+def _initial_state(initial, batch, heads, k_dim, v_dim, device) -> torch.Tensor:
+    if initial is None:
+        return torch.zeros(batch, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+    return initial.to(device=device, dtype=torch.float32, copy=True)  # the caller's tensor stays as it was
+
+
+def _chunk_scan(u, w, intra, query, key, chunk_decay, state, out):
+    """The sequential part: per chunk, subtract what the carried state already predicts from the
+    chunk's values (the delta rule), read the state for the queries, and fold the chunk in
+    (``state`` is updated in place). Each chunk's output is written straight into ``out``
+    ``[B, T, H, v_dim]`` (the caller's layout and dtype; padding rows are dropped)."""
+    chunk, length = u.shape[-2], out.shape[1]
+    key_t = key.transpose(-1, -2)
+    for i in range(u.shape[2]):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        chunk_out = (query[:, :, i] @ state).add_(intra[:, :, i] @ v_new)  # [B, H, C, v_dim]
+        start = i * chunk
+        rows = min(chunk, length - start)
+        out[:, start : start + rows] = chunk_out[:, :, :rows].transpose(1, 2)
+        state.mul_(chunk_decay[:, :, i, None, None]).add_(key_t[:, :, i] @ v_new)
+    return out
+
+
+def recurrent_gated_delta_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor,
+                               use_qk_l2norm_in_kernel: bool = True) -> torch.Tensor:
+    """One token of the gated delta rule for each of B sequences, updating ``state`` in place.
+
+    transformers' ``torch_recurrent_gated_delta_rule`` for a single token (same normalisation,
+    decay, delta update and read-out), rearranged so that one product reads the old state for
+    both contractions: with S the old state and d = exp(g), the new state is S' = d S + k delta^T
+    where delta = beta (v - d k^T S), and the output is q^T S' = d q^T S + (q . k) delta, so
+    [k; q]^T S gives both. The state is then scaled and updated in place: three reads and two
+    writes of it per step, against four and two for decay, read, update, read. Inputs ``[B, 1, heads, dim]``, ``g``/``beta`` ``[B, 1,
+    v_heads]``; ``state`` float32 ``[B, v_heads, k_dim, v_dim]``, contiguous. Returns ``[B, 1,
+    v_heads, v_dim]`` in the query's dtype.
+    """
+    out_dtype = query.dtype
+    query, key, value, g, beta = _heads_first_float32(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    size, heads, _, k_dim = key.shape  # [B, H, 1, dim]
+    v_dim = value.shape[-1]
+    decay = g.exp().view(size, heads, 1, 1)
+    read = torch.cat([key, query], dim=-2) @ state  # [B, H, 2, v_dim]: k^T S and q^T S
+    delta = (value - decay * read[..., :1, :]) * beta.unsqueeze(-1)  # [B, H, 1, v_dim]
+    qk = (query * key).sum(dim=-1, keepdim=True)  # [B, H, 1, 1]
+    out = decay * read[..., 1:, :] + qk * delta
+    flat = state.view(size * heads, k_dim, v_dim)
+    flat.mul_(decay.view(-1, 1, 1)).baddbmm_(key.reshape(-1, k_dim, 1), delta.view(-1, 1, v_dim))
+    return out.transpose(1, 2).to(out_dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  window: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d over a chunk ``x [B, C, T]`` that continues ``window [B, C, K]``
+    (the previous K inputs; zeros before the first token when None). ``weight`` is ``[C, K]``.
+
+    Returns the activated output ``[B, C, T]`` in ``x``'s dtype and the new window (the last K
+    inputs, a fresh contiguous tensor). The arithmetic runs time-major, ``[B, T, C]``, the layout
+    the input projection produces (``x`` is usually its transposed view) and the one the caller
+    wants back: K multiply-adds of whole rows, so no transposing copies and no conv1d call (a
+    depthwise ``F.conv1d`` on this CPU runs at a fraction of the multiply-adds' speed). The
+    returned output is a ``[B, C, T]`` view of time-major memory. float32 accumulation.
+    """
+    kernel = weight.shape[1]
+    length = x.shape[-1]
+    rows = x.transpose(1, 2)  # [B, T, C]
+    if window is None:
+        carried = rows.new_zeros(rows.shape[0], kernel - 1, rows.shape[2])
+    else:
+        carried = window[..., 1:].transpose(1, 2).to(rows.dtype)
+    full = torch.cat([carried, rows], dim=1)  # [B, K - 1 + T, C]
+    new_window = full[:, -kernel:].transpose(1, 2).contiguous()
+    if full.dtype != torch.float32:
+        full = full.float()
+    taps = weight.t().float()  # [K, C]
+    out = full[:, :length] * taps[0]
+    for tap in range(1, kernel):
+        out.addcmul_(full[:, tap : tap + length], taps[tap])
+    if bias is not None:
+        out += bias.float()
+    return _activate(out, activation).to(x.dtype).transpose(1, 2), new_window
+
+
+def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str | None) -> torch.Tensor:
+    """One token of the depthwise causal conv: shift ``x [B, C]`` into ``window [B, C, K]`` (in
+    place) and return the activated output ``[B, C]``. A multiply-and-sum over the K taps: a
+    depthwise conv1d call costs far more than its arithmetic at one token."""
+    window[..., :-1] = window[..., 1:].clone()
+    window[..., -1] = x.to(window.dtype)
+    out = (window.float() * weight.float()).sum(dim=-1)  # float32 accumulation in any dtype
+    if bias is not None:
+        out = out + bias.float()
+    return _activate(out, activation).to(x.dtype)
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``activation`` by transformers' name, in place when it is SiLU (Qwen3.5's) and ``x`` is a
+    temporary of ours."""
+    if activation in ("silu", "swish"):
+        return F.silu(x, inplace=True)
+    return x if activation is None else ACT2FN[activation](x)
+
+
+# ---------------------------------------------------------------- linear layers on a CPU
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` whose weight is stored pre-packed in oneDNN's blocked layout and multiplied
+    by oneDNN rather than by ATen's default CPU GEMM (MKL's sgemm for float32).
+
+    Why: on this project's machines MKL's float32 GEMM is far from the AVX-512 peak at every
+    batch size the runner uses (about 40-130 GFLOP/s on 2 cores), while oneDNN with a pre-packed
+    weight runs the same products 1.5-3.6x faster, from M=1 (decode, bandwidth-bound) to M=512
+    (prefill chunks): docs/bench/kernels.md. Results agree with ``F.linear`` to float32
+    rounding (a different summation order). CPU only; the dense weight is released, so memory
+    stays the same.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        # not a Parameter (it has no storage an optimizer could use); not in the state dict
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                             persistent=False)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``PackedLinear`` serves this device and dtype (a CPU with oneDNN; bfloat16 only
+    where oneDNN has bfloat16 kernels). Elsewhere (CUDA) ``F.linear`` stays."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+def prepack_linears(module: torch.nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place); returns how
+    many. For inference only: a packed weight has no gradient."""
+    count = 0
+    for parent in module.modules():
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    return count

@@ -1,0 +1,247 @@
+"""Chaos under load: real `kill -9` of real processes while clients stream answers, every answer
+checked against transformers.
+
+One `epd serve` with two replicas of every role (encoder replicas, Encoder services, prefill,
+decode, routers) on the tiny model. Four clients send requests without pause (fresh and repeated
+images, greedy) to both routers while the test kills, one after another with pauses: an encoder
+replica more times than Ray restarts it, a prefill worker, a decode worker mid-stream, the
+embedded redis-server, the controller and the registry. Every request must succeed with the
+tokens transformers' generate gives, and every role must be back at its declared count.
+
+The figures for docs/RELIABILITY.md come from this test's report: set EPD_CHAOS_REPORT=PATH to
+keep it (JSON), and run with -s to see the table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+
+from bench.synthetic import make_image
+from control.controller import MAX_RESTARTS
+from epd import client, rpc
+from tests.conftest import ServeProcess, epd_status, ray_address
+
+PROMPTS = ["What is in this picture?", "Describe the colours.", "Tell me a story about it.", "Count the shapes."]
+MAX_TOKENS = (12, 24, 40)
+REPEATS = [make_image(160, 128, seed=7000 + i) for i in range(4)]  # images several requests share
+PAUSE_S = 6.0  # load keeps running between two faults
+THINK_S = 1.2  # a client's pause between two requests (it keeps the oracle's checks at the end short)
+
+
+class Load:
+    """Clients sending requests to the routers in turn until stopped; keeps every outcome."""
+
+    def __init__(self, routers: list[str], num_clients: int) -> None:
+        self.routers = itertools.cycle(routers)
+        self.seeds = itertools.count(8000)
+        self.lock = threading.Lock()
+        self.done: list[dict] = []
+        self.failed: list[dict] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(num_clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, number: int) -> None:
+        rng = random.Random(number)
+        while not self.stop.wait(THINK_S * rng.random()):
+            with self.lock:
+                seed = next(self.seeds)
+            image = REPEATS[rng.randrange(len(REPEATS))] if rng.random() < 0.4 else make_image(128, 128, seed=seed)
+            self.send(rng.choice(PROMPTS), image, rng.choice(MAX_TOKENS))
+
+    def send(self, prompt: str, image: bytes, max_tokens: int) -> None:
+        """One request to the next router; keeps its outcome."""
+        with self.lock:
+            router = next(self.routers)
+        started = time.monotonic()
+        try:
+            result = client.generate(router, client.user_request(prompt, [image], max_tokens=max_tokens),
+                                     timeout_s=120)
+            outcome = {"prompt": prompt, "image": image, "max_tokens": max_tokens, "tokens": result.token_ids,
+                       "resumes": result.summary.resumes, "start": started, "end": time.monotonic()}
+            with self.lock:
+                self.done.append(outcome)
+        except grpc.RpcError as error:
+            with self.lock:
+                self.failed.append({"start": started, "end": time.monotonic(), "code": error.code().name,
+                                    "details": error.details()})
+
+    def long_streams(self, count: int, max_tokens: int) -> list[threading.Thread]:
+        """``count`` long answers starting now (in flight when the next fault strikes)."""
+        threads = [threading.Thread(target=self.send, daemon=True,
+                                    args=(f"Tell me everything, part {n}.", REPEATS[n % len(REPEATS)], max_tokens))
+                   for n in range(count)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=180)
+
+
+class HealthWatch:
+    """Polls every router's grpc.health.v1 every 0.1 s; keeps the NOT_SERVING moments."""
+
+    def __init__(self, routers: list[str]) -> None:
+        self.routers = routers
+        self.not_serving: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.1):
+            if not all(rpc.is_serving(router, timeout_s=1.0) for router in self.routers):
+                self.not_serving.append(time.monotonic())
+
+    def seconds_between(self, start: float, end: float) -> float:
+        return round(0.1 * sum(start <= t < end for t in self.not_serving), 1)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    server = ServeProcess(tiny_model_dir, "--encoders", "2", "--encode-services", "2", "--prefill", "2",
+                          "--decode", "2", "--routers", "2", "--log-level", "INFO",
+                          log_path=str(tmp_path_factory.mktemp("logs") / "chaos.log"))
+    yield server
+    assert server.stop() == [], "epd serve left processes behind"
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _replica(status: dict, role: str, index: int = 0) -> dict:
+    return sorted(status["roles"][role], key=lambda r: r["name"])[index]
+
+
+def _wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(0.25)
+
+
+def _all_serving(address: str) -> bool:
+    status = epd_status(address)
+    return all(sum(r["state"] == "serving" for r in replicas) == status["desired"][role]
+               and len(replicas) == status["desired"][role] for role, replicas in status["roles"].items())
+
+
+def _named_process(server: ServeProcess, title: str) -> psutil.Process:
+    for process in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if title in " ".join(process.cmdline()):
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no {title} process under epd serve")
+
+
+@pytest.mark.timeout(1500)
+def test_no_request_fails_while_processes_are_killed(stack, oracle):
+    address = ray_address(stack)
+    status = epd_status(address)
+    routers = [r["address"] for r in status["roles"]["router"]]
+    load, health = Load(routers, num_clients=4), HealthWatch(routers)
+    faults: list[dict] = []
+    events: dict[tuple, dict] = {}  # the controller's life events, kept here: killing it loses its history
+
+    def fault(name: str, kill) -> None:
+        time.sleep(PAUSE_S)
+        started = time.monotonic()
+        detail = kill()
+        _wait_until(lambda: _all_serving(address), 180, f"every role back at its count after killing {name}")
+        faults.append({"fault": name, "start": started, "recovered_s": round(time.monotonic() - started, 1),
+                       "detail": detail})
+        events.update({(e["time"], e["name"], e["kind"]): e for e in epd_status(address)["events"]})
+
+    def encoder_past_its_restarts() -> str:
+        name = _replica(epd_status(address), "encoder")["name"]
+        for attempt in range(MAX_RESTARTS + 1):
+            replica = next(r for r in epd_status(address)["roles"]["encoder"] if r["name"] == name)
+            _kill(replica["pid"])
+            if attempt < MAX_RESTARTS:  # Ray restarts it: wait for its new process before the next kill
+                _wait_until(lambda: any(r["name"] == name and r["state"] == "serving" and r["pid"] != replica["pid"]
+                                        for r in epd_status(address)["roles"]["encoder"]), 120,
+                            f"{name} restarted by Ray")
+        return f"{name} killed {MAX_RESTARTS + 1} times"
+
+    def one_of(role: str, streams_in_flight: int = 0):
+        def kill() -> str:
+            replica = _replica(epd_status(address), role)
+            if streams_in_flight:  # long answers spread over both workers: the kill lands mid-stream
+                load.long_streams(streams_in_flight, max_tokens=400)
+                time.sleep(1.5)
+            _kill(replica["pid"])
+            return replica["name"]
+        return kill
+
+    def by_title(title: str):
+        def kill() -> str:
+            process = _named_process(stack, title)
+            process.kill()
+            return f"pid {process.pid}"
+        return kill
+
+    try:
+        load_started = time.monotonic()
+        fault("encoder replica", encoder_past_its_restarts)
+        fault("prefill worker", one_of("prefill"))
+        fault("decode worker", one_of("decode", streams_in_flight=6))
+        fault("redis-server", by_title("redis-server"))
+        fault("controller", by_title("ray::Controller"))
+        fault("registry", by_title("ray::Registry"))
+        time.sleep(PAUSE_S)
+    finally:
+        load.finish()
+        health.finish()
+    ended = time.monotonic()
+
+    report = {"load_s": round(ended - load_started, 1), "requests": len(load.done) + len(load.failed),
+              "failed": len(load.failed), "resumed": sum(1 for d in load.done if d["resumes"]), "faults": []}
+    for index, entry in enumerate(faults):
+        end = faults[index + 1]["start"] if index + 1 < len(faults) else ended
+        window = [d for d in load.done if entry["start"] <= d["start"] < end]
+        report["faults"].append({
+            "fault": entry["fault"], "detail": entry["detail"], "requests": len(window),
+            "failed": sum(entry["start"] <= f["start"] < end for f in load.failed),
+            "resumed": sum(1 for d in window if d["resumes"]),
+            "back_at_count_s": entry["recovered_s"],
+            "not_serving_s": health.seconds_between(entry["start"], end)})
+    report["events"] = [e for e in events.values() if e["kind"] in ("died", "replaced", "restarted")]
+    print("\n" + json.dumps({k: v for k, v in report.items() if k != "events"}, indent=1))
+    if os.environ.get("EPD_CHAOS_REPORT"):
+        with open(os.environ["EPD_CHAOS_REPORT"], "w") as f:
+            json.dump(report, f, indent=2)
+
+    assert load.failed == [], load.failed[:5]
+    assert report["load_s"] >= 60 and len(load.done) >= 60
+    assert any(e["kind"] == "replaced" and e["role"] == "encoder" for e in report["events"]), report["events"]
+    assert any(e["kind"] == "restarted" and e["role"] == "decode" for e in report["events"]), report["events"]
+    assert report["resumed"] >= 1  # the decode worker died under at least one stream
+    assert _all_serving(address)
+    expected = {}
+    for outcome in load.done:
+        key = (outcome["prompt"], outcome["image"], outcome["max_tokens"])
+        if key not in expected:
+            expected[key] = oracle.generate(outcome["prompt"], [outcome["image"]], max_new_tokens=outcome["max_tokens"])[0]
+        assert outcome["tokens"] == expected[key], (outcome["prompt"], outcome["max_tokens"], outcome["resumes"])

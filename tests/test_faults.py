@@ -1,0 +1,203 @@
+"""Faults with one replica of each role, graceful shutdown, and streams beyond any thread pool,
+against real `epd serve` processes (tiny model): real `kill -9`, real SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import psutil
+import pytest
+
+from bench.synthetic import make_image
+from epd import client, rpc
+from epd.v1 import epd_pb2_grpc
+from tests.conftest import ServeProcess, epd_status, ray_address
+
+IMAGE = make_image(128, 128, seed=900)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, tmp_path_factory):
+    """One replica of every role; decode batches up to 64 requests."""
+    ports = {role: _free_port() for role in ("router", "prefill", "decode")}
+    server = ServeProcess(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(ports["decode"]),
+                          "--router-metrics-port", str(ports["router"]), "--prefill-metrics-port", str(ports["prefill"]),
+                          "--log-level", "INFO", log_path=str(tmp_path_factory.mktemp("logs") / "single.log"))
+    server.metrics = {role: f"http://127.0.0.1:{port}/metrics" for role, port in ports.items()}
+    server.decode_metrics = server.metrics["decode"]
+    yield server
+    assert server.stop() == [], "epd serve left processes behind"
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_more_streams_than_any_thread_pool_decode_in_one_batch(single):
+    """48 long streams at once (a 32-thread server ran them in waves): every stream is past its
+    first decode batch before any of them finishes, and decode ran them as one batch."""
+    first_decoded: list[float] = []
+    finished: list[float] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def stream(n: int) -> None:
+        request = client.user_request(f"Stream number {n}, keep going.", max_tokens=400, ignore_eos=True)
+        chunks = 0
+        try:
+            for event in client.stream(single.address, request, timeout_s=600):
+                if event.WhichOneof("event") == "chunk":
+                    chunks += 1
+                    if chunks == 2:  # the first chunk is prefill's token; the second comes from decode
+                        with lock:
+                            first_decoded.append(time.monotonic())
+            with lock:
+                finished.append(time.monotonic())
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            failures.append(error)
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in range(48)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert failures == [] and len(finished) == 48
+    assert max(first_decoded) < min(finished), "some streams only started after others finished (waves)"
+    assert _metric(single.decode_metrics, "epd_decode_largest_batch") >= 40
+
+
+def test_clients_that_leave_free_their_work_at_every_stage(single):
+    """Six clients leave 1.5 s into long requests (prompts of ~6k tokens, 1,500 tokens to
+    generate): within a second prefill and decode are idle again, and the counters say at which
+    stage each request was when its client left."""
+    address = ray_address(single)
+    roles = epd_status(address)["roles"]
+    workers = [psutil.Process(roles[role][0]["pid"]) for role in ("prefill", "decode")]
+    before = _counts(single.metrics["router"], "epd_requests_cancelled_total")
+    calls = []
+    for n in range(6):
+        request = client.user_request(f"{n} " + "lorem ipsum dolor sit amet " * 350, max_tokens=1500,
+                                      ignore_eos=True)
+        chan, metadata = client.connect(single.address)
+        calls.append((chan, epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=600)))
+    time.sleep(1.5)
+    for chan, call in calls:
+        call.cancel()  # the client goes away
+        chan.close()
+    time.sleep(1.0)
+    for worker in workers:
+        worker.cpu_percent()
+    time.sleep(1.0)
+    busy = {w.pid: w.cpu_percent() for w in workers}
+    assert all(load < 25 for load in busy.values()), f"still working after its clients left: {busy}"
+    after = _counts(single.metrics["router"], "epd_requests_cancelled_total")
+    stages = {stage: after.get(stage, 0) - before.get(stage, 0) for stage in after}
+    assert sum(stages.values()) == 6, stages
+    prefill = _counts(single.metrics["prefill"], "epd_prefill_cancelled_total")
+    finished = _counts(single.metrics["decode"], "epd_decode_requests_finished_total")
+    assert stages.get("prefill", 0) <= sum(prefill.values())  # each one cancelled in prefill was dropped there
+    assert stages.get("decode", 0) <= finished.get("cancelled", 0)  # and each one decoding freed its slot
+
+
+def _counts(url: str, family: str) -> dict[str, float]:
+    """A labelled counter's samples: label value -> count."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {label: float(value) for label, value in
+            re.findall(rf'^{re.escape(family)}{{\w+="([^"]*)"}} (\S+)$', text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "encoder"])
+def test_a_lone_replica_killed_fails_fast_and_both_come_back(single, oracle, role):
+    """The only replica of a role dies: requests fail at once with UNAVAILABLE naming the role
+    (no hang, never INTERNAL), health says NOT_SERVING, and both recover on their own once Ray
+    has restarted the replica."""
+    address = ray_address(single)
+    replica = epd_status(address)["roles"][role][0]
+    os.kill(replica["pid"], signal.SIGKILL)
+    seen_not_serving = False
+    refusals = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        seen_not_serving |= not rpc.is_serving(single.address, timeout_s=2)
+        image = make_image(128, 128, seed=int(time.monotonic() * 1000))  # fresh: the encoder must run
+        started = time.monotonic()
+        try:
+            result = client.generate(single.address, client.user_request("Back?", [image], max_tokens=6),
+                                     timeout_s=60)
+        except grpc.RpcError as error:
+            refusals.append((time.monotonic() - started, error.code(), error.details()))
+            time.sleep(0.2)
+            continue
+        if refusals:  # answered again after the refusals: it recovered
+            assert result.token_ids == oracle.generate("Back?", [image], max_new_tokens=6)[0]
+            break
+    else:
+        raise AssertionError(f"no recovery within 180 s: {refusals[-3:]}")
+    assert refusals, "the kill went unnoticed: no request was refused"
+    for took, code, details in refusals:
+        assert code is grpc.StatusCode.UNAVAILABLE and role in details, (code, details)
+        assert took < 15, f"a refusal took {took:.1f} s"
+    assert seen_not_serving
+    assert rpc.is_serving(single.address)
+    events = [e for e in epd_status(address)["events"] if e["name"] == replica["name"]]
+    assert any(e["kind"] in ("restarted", "replaced") for e in events), events
+
+
+def test_sigterm_lets_the_streams_in_flight_finish(tiny_model_dir, tmp_path):
+    server = ServeProcess(tiny_model_dir, "--log-level", "INFO", log_path=str(tmp_path / "drain.log"))
+    results: list = [None] * 5
+    started = threading.Barrier(6)
+
+    def stream(n: int) -> None:
+        request = client.user_request(f"Long answer {n}.", [IMAGE], max_tokens=600, ignore_eos=True)
+        tokens, first, finish = [], True, ""
+        try:
+            for event in client.stream(server.address, request, timeout_s=300):
+                if event.WhichOneof("event") == "chunk":
+                    tokens += event.chunk.token_ids
+                    if first:
+                        first = False
+                        started.wait(timeout=120)
+                else:
+                    finish = event.summary.finish_reason
+            results[n] = (len(tokens), finish)
+        except grpc.RpcError as error:
+            results[n] = error
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in range(5)]
+    try:
+        for thread in threads:
+            thread.start()
+        started.wait(timeout=120)  # all five are streaming
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while rpc.is_serving(server.address, timeout_s=1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not rpc.is_serving(server.address, timeout_s=1), "health still SERVING after SIGTERM"
+        with pytest.raises(grpc.RpcError) as refused:  # no new work while draining
+            client.generate(server.address, client.user_request("Too late?", max_tokens=2), timeout_s=30)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        for thread in threads:
+            thread.join(timeout=120)
+        assert results == [(600, "length")] * 5
+    finally:
+        alive = server.stop()
+    assert alive == []
+    assert server.proc.returncode == 0
+    server_log = open(server.log.name).read()
+    assert "drained 5 request(s) in flight: 5 finished, 0 cut" in server_log
