@@ -1,7 +1,10 @@
 """The correctness oracle: transformers' own Qwen3_5ForConditionalGeneration.generate.
 
 Inputs are built the way Qwen3VLProcessor builds them (chat template, each <|image_pad|> expanded
-to the image's token count, Qwen2VLImageProcessorPil pixels), independently of epd's router code.
+to the image's token count, Qwen2VLImageProcessorPil pixels of the image turned upright by its EXIF
+orientation, as transformers' load_image does), independently of epd's router code. With
+``split_special_tokens`` the client's text is tokenized as plain text (transformers'
+``split_special_tokens=True`` on each text part) between the template's own tokens.
 The benchmark's transformers baseline runs through it too (any dtype, whole conversations).
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 import io
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -26,49 +29,71 @@ class Oracle:
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.image_token_id = self.model.config.image_token_id
 
-    def inputs(self, prompt: str, images: list[bytes], max_pixels: int | None = None) -> dict:
+    def inputs(self, prompt: str, images: list[bytes], max_pixels: int | None = None,
+               split_special_tokens: bool = False) -> dict:
         """One user turn: the images first, then the text."""
         content = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": prompt}]
-        return self.chat_inputs([{"role": "user", "content": content}], max_pixels)
+        return self.chat_inputs([{"role": "user", "content": content}], max_pixels, split_special_tokens)
 
-    def chat_inputs(self, messages: list[ChatMessage], max_pixels: int | None = None) -> dict:
+    def chat_inputs(self, messages: list[ChatMessage], max_pixels: int | None = None,
+                    split_special_tokens: bool = False) -> dict:
         """``generate`` keyword arguments for a conversation: each message's content is a string or
         a list of ``{"type": "text", "text": str}`` / ``{"type": "image", "image": bytes}`` parts;
-        images in the order they appear."""
-        chat, images = [], []
+        images in the order they appear. ``split_special_tokens``: special tokens in the text parts
+        are plain text (the template's own stay special)."""
+        chat, images, texts = [], [], []
         for message in messages:
             content = message["content"]
-            if not isinstance(content, str):
-                images += [part["image"] for part in content if part["type"] == "image"]
-                content = [{"type": "image"} if part["type"] == "image" else part for part in content]
-            chat.append({"role": message["role"], "content": content})
+            if isinstance(content, str) and not split_special_tokens:
+                chat.append({"role": message["role"], "content": content})
+                continue
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            images += [part["image"] for part in content if part["type"] == "image"]
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    parts.append({"type": "image"})
+                elif split_special_tokens:  # a marker now, tokenized on its own below
+                    parts.append({"type": "text", "text": f"\x00{len(texts)}\x00"})
+                    texts.append(part["text"])
+                else:
+                    parts.append(part)
+            chat.append({"role": message["role"], "content": parts})
         text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                                   enable_thinking=False)
         out: dict = {}
         if images:
             size = {"shortest_edge": self.processor.size.shortest_edge,
                     "longest_edge": max_pixels or self.processor.size.longest_edge}
-            pil = [Image.open(io.BytesIO(data)) for data in images]
+            pil = [ImageOps.exif_transpose(Image.open(io.BytesIO(data))) for data in images]
             pixels = self.processor(images=pil, return_tensors="pt", size=size)
             out["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
             out["image_grid_thw"] = pixels["image_grid_thw"]
             pieces = text.split("<|image_pad|>")
             counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
             text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
-        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        if split_special_tokens:
+            pieces = text.split("\x00")  # template, text 0, template, text 1, ..., template
+            ids = torch.tensor([[token for index, piece in enumerate(pieces) for token in self.tokenizer(
+                texts[int(piece)] if index % 2 else piece, add_special_tokens=False,
+                split_special_tokens=bool(index % 2))["input_ids"]]])
+        else:
+            ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         out["input_ids"] = ids
         out["mm_token_type_ids"] = (ids == self.image_token_id).int()
         return out
 
     def generate(self, prompt: str, images: list[bytes] = (), max_new_tokens: int = 32,
-                 max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+                 max_pixels: int | None = None, split_special_tokens: bool = False) -> tuple[list[int], torch.Tensor, int]:
         """Greedy tokens, the first token's logits, and the prompt length."""
-        return self._generate(self.inputs(prompt, list(images), max_pixels), max_new_tokens)
+        return self._generate(self.inputs(prompt, list(images), max_pixels, split_special_tokens), max_new_tokens)
 
     def generate_chat(self, messages: list[ChatMessage], max_new_tokens: int = 32,
-                      max_pixels: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+                      max_pixels: int | None = None, split_special_tokens: bool = False
+                      ) -> tuple[list[int], torch.Tensor, int]:
         """``generate`` for a whole conversation (see ``chat_inputs``)."""
-        return self._generate(self.chat_inputs(messages, max_pixels), max_new_tokens)
+        return self._generate(self.chat_inputs(messages, max_pixels, split_special_tokens), max_new_tokens)
 
     @torch.no_grad()
     def _generate(self, inputs: dict, max_new_tokens: int) -> tuple[list[int], torch.Tensor, int]:

@@ -152,10 +152,14 @@ def run_bench(config: BenchConfig) -> dict:
     prompts = PromptMaker.from_model_dir(config.model_dir) if config.model_dir else PromptMaker()
     workload = build_workload(config.workload_spec(), prompts)
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
+    limits = _measure_limits(config)  # on the quiet machine, before either system runs
     records, duration = _run_epd(config, workload)
     report = {**summarize(records, duration, slo), **stage_figures(records)}
     report["workload"] = {"conversations": len(workload.conversations), "unique_images": workload.num_unique_images,
                           "repeated_images": workload.num_repeated_images}
+    if limits is not None:
+        report["roofline"] = _roofline(config, workload, records, limits)
+        report["efficiency"] = _efficiency(report["roofline"], duration)
     samples = {"epd": latency_samples(records)}
     if config.baseline == "transformers":
         import torch
@@ -166,6 +170,8 @@ def run_bench(config: BenchConfig) -> dict:
                                                        config.baseline_threads)
         report["baseline"] = {"name": "transformers", "torch_threads": torch.get_num_threads(),
                               **summarize(base_records, base_duration, slo)}
+        if limits is not None:
+            report["baseline"]["efficiency"] = _efficiency(report["roofline"], base_duration)
         samples["transformers"] = latency_samples(base_records)
         report.update(_comparison(report, report["baseline"]))
     report.update({"config": config.to_json(), "machine": host,
@@ -176,6 +182,56 @@ def run_bench(config: BenchConfig) -> dict:
     if config.plot_path:
         _write_plot(config, report, samples)
     return report
+
+
+def _measure_limits(config: BenchConfig):
+    """The machine's peak and bandwidth in the run's dtype (a roofline needs the checkpoint, for
+    its parameter counts, and a closed loop, for its batch size)."""
+    if not config.model_dir or not config.concurrency:
+        return None
+    from bench.roofline import measure
+    from epd.tensors import default_device, parse_dtype
+
+    return measure(parse_dtype(config.dtype), default_device())
+
+
+def _roofline(config: BenchConfig, workload: Workload, records, limits) -> dict:
+    """The workload's lower bound (``bench.roofline``), and for each request the bound of the
+    encodes and prefills that were served before its first token (the work queued ahead of it)."""
+    from bench.roofline import ModelCost, bound
+    from epd.modelinfo import ModelInfo
+    from epd.tensors import parse_dtype
+
+    settings = ModelInfo.load(config.model_dir).image_settings(64 * 1024 * 1024)
+    images = {image.index: image for c in workload.conversations for t in c.turns for image in t.images}
+    image_tokens = [_image_tokens(image, settings) for image in images.values()]
+    served = sorted((r for r in records if r.ok and r.ttft_s is not None), key=lambda r: r.sent_s + r.ttft_s)
+    cost = ModelCost.of(config.model_dir, parse_dtype(config.dtype))
+    result = bound(cost, limits, image_tokens, [r.prompt_tokens for r in served], config.concurrency,
+                   config.output_tokens)
+    per_request = result["stages"]["vision_s"] / max(1, len(served)) + result["stages"]["prefill_s"] / max(1, len(served))
+    ahead = [per_request * (rank + 1) for rank in range(len(served))]  # requests served before, itself included
+    result["ttft_work_ahead_s"] = _percentiles(ahead)
+    return result
+
+
+def _image_tokens(image, settings) -> int:
+    from epd.imaging import smart_resize
+
+    height, width = smart_resize(image.height, image.width, settings.factor, settings.min_pixels, settings.max_pixels)
+    return (height // settings.factor) * (width // settings.factor)
+
+
+def _percentiles(values: list[float]) -> dict:
+    import numpy as np
+
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def _efficiency(roofline: dict, wall_s: float) -> float | None:
+    return roofline["roofline_s"] / wall_s if wall_s else None
 
 
 def _run_epd(config: BenchConfig, workload: Workload):
@@ -242,6 +298,12 @@ def format_report(report: dict) -> str:
     lines = block(f"epd ({report['config']['api']})" if report.get("config", {}).get("api") == "openai" else "epd",
                   report)
     ratio = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    if "roofline" in report:
+        stages = report["roofline"]["stages"]
+        lines.append(f"  roofline {report['roofline']['roofline_s']:.2f} s (vision {stages['vision_s']:.2f}, prefill "
+                     f"{stages['prefill_s']:.2f}, decode {stages['decode_s']:.2f}); efficiency "
+                     f"{ratio(report['efficiency'])}" + (f", baseline {ratio(report['baseline']['efficiency'])}"
+                                                         if "baseline" in report else ""))
     if report.get("config", {}).get("api") == "openai":
         lines.append(f"  cached tokens {report['cached_tokens']} (images and stage timings: not reported over HTTP)")
     else:

@@ -66,6 +66,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--default-max-tokens", "serve.router.default_max_tokens"),
     _flag("--request-timeout-s", "serve.router.request_timeout_s"),
     _flag("--max-queued-requests", "serve.router.max_queued_requests"),
+    _flag("--max-images-per-request", "serve.router.max_images_per_request"),
+    _flag("--max-request-mb", "serve.router.max_request_mb"),
+    _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),
@@ -73,14 +76,16 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--prefix-block-size", "serve.prefill.prefix_block_size"),
     _flag("--snapshot-every-blocks", "serve.prefill.snapshot_every_blocks"),
     _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
+    _flag("--prefill-batch-tokens", "serve.prefill.batch_tokens"),
+    _flag("--prefill-max-wait-s", "serve.prefill.max_wait_s"),
     _flag("--max-batch-size", "serve.decode.max_batch_size"),
     _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
     _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
-    _flag("--prepack", "serve.prefill.prepack", "serve.decode.prepack",
-          help="on a CPU, run the language model's linear layers through oneDNN with pre-packed weights "
-               "(2-4x faster here; a second copy of the weights in memory, ~3 GB for the 0.8b model in float32)"),
+    _flag("--prepack", "serve.encode.prepack", "serve.prefill.prepack", "serve.decode.prepack",
+          help="on a CPU, run the linear layers of every model role through oneDNN with pre-packed weights "
+               "(2-4x faster here; a second copy of the weights in memory, ~3 GB for the 0.8b LM in float32)"),
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),
@@ -90,7 +95,6 @@ STACK = (  # what shapes the roles, whichever command starts them
 HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--http-port", "serve.http.port"),
     _flag("--served-model-name", "serve.http.served_model_name"),
-    _flag("--max-request-mb", "serve.http.max_request_mb"),
     _flag("--allow-media-urls", "serve.http.allow_media_urls"),
     _flag("--allowed-media-domains", "serve.http.allowed_media_domains", metavar="HOST,..."),
     _flag("--allowed-local-media-path", "serve.http.allowed_local_media_path", metavar="DIR"),
@@ -146,7 +150,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
         kind = _type(cls, name)
         options: dict = {"dest": flag.dest, "default": argparse.SUPPRESS, "required": flag.required,
                          "type": kind, "metavar": flag.metavar or _METAVARS.get(kind)}
-        if kind is bool:  # --prepack / --no-prepack
+        if kind is bool:  # --switch / --no-switch
             options = {"dest": flag.dest, "default": argparse.SUPPRESS, "action": argparse.BooleanOptionalAction}
         if name == "dtype":
             options["choices"] = DTYPE_CHOICES

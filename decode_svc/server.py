@@ -31,8 +31,11 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
 
     @rpc.unary_errors
     async def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
-        parts = [part async for part in request_iterator]
-        received = handoff.receive(parts, self.engine.runner.num_layers, self.engine.runner.device)
+        runner = self.engine.runner
+        receiver = handoff.Receiver(runner.num_layers, runner.device, runner)  # checks the header first
+        async for part in request_iterator:
+            receiver.add(part)
+        received = receiver.finish()
         header = received.header
         self.engine.submit(
             request_id=header.request_id,

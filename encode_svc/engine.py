@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging
+from epd import checkpoint, errors, imaging, kernels
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -73,6 +73,9 @@ class EncoderEngine:
         self.name = context.name
         self.vision = checkpoint.build_vision_model(serve.model_dir, dtype=parse_dtype(config.dtype),
                                                     device=default_device())
+        weight = next(self.vision.parameters())
+        if config.prepack and kernels.can_prepack(weight.device, weight.dtype):
+            kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
         self.settings = ModelInfo.load(serve.model_dir).image_settings(config.max_decoded_pixels)
         self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
         self.max_batch_patches = config.max_batch_patches

@@ -73,6 +73,8 @@ class EncodeConfig:
     """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs alone)."""
     dtype: str = "float32"
     """Weights and activations dtype of the vision tower."""
+    prepack: bool = True
+    """On a CPU, run the vision tower's linear layers through oneDNN with pre-packed weights."""
 
     def __post_init__(self) -> None:
         _check_range(self.max_batch_patches, 1, 1 << 24, "encode.max_batch_patches")
@@ -103,7 +105,12 @@ class LMConfig:
 class PrefillConfig(LMConfig):
     section = "prefill"
     chunk_tokens: int = 512
-    """Longest run of prompt tokens one prefill forward takes; waiting prompts take turns between chunks."""
+    """Longest chunk of one prompt in a prefill forward; waiting prompts take turns between forwards."""
+    batch_tokens: int = 1024
+    """Prompt tokens one prefill forward takes in all: chunks of several prompts share a forward
+    up to this budget (at least chunk_tokens)."""
+    max_wait_s: float = 2.0
+    """A prompt that has not run for this many seconds goes first (aging: shortest-first never starves it)."""
     embedding_cache_mb: int = 256
     """The prefill worker's in-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
     prefix_cache_mb: int = 512
@@ -118,6 +125,8 @@ class PrefillConfig(LMConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self.chunk_tokens, 1, 1 << 20, "prefill.chunk_tokens")
+        _check_range(self.batch_tokens, 1, 1 << 20, "prefill.batch_tokens")
+        _check_range(self.max_wait_s, 0.01, 3600, "prefill.max_wait_s")
         _check_range(self.embedding_cache_mb, 0, 1 << 20, "prefill.embedding_cache_mb")
         _check_range(self.prefix_cache_mb, 0, 1 << 20, "prefill.prefix_cache_mb")
         _check_range(self.prefix_block_size, 1, 8192, "prefill.prefix_block_size")
@@ -161,9 +170,19 @@ class RouterConfig:
     max_queued_requests: int = 0
     """Requests one router lets wait (accepted, first token not yet streamed) before it refuses
     more with RESOURCE_EXHAUSTED; 0: no limit. Requests resumed after a decode worker died always pass."""
+    max_images_per_request: int = 16
+    """The most images one request may carry; more is INVALID_ARGUMENT."""
+    max_request_mb: int = 64
+    """Largest public request message in MiB (images included); a bigger one is refused by gRPC
+    with RESOURCE_EXHAUSTED before it is read. Calls between roles have their own, larger cap."""
+    allow_special_tokens: bool = False
+    """Trusted callers only: control tokens in request text (<|im_start|>, <|im_end|>, ...) are
+    tokenized as the tokens they name instead of as plain text, so a caller can write turns itself."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
+        _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
+        _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
         _check_range(self.max_queued_requests, 0, 1 << 20, "router.max_queued_requests")
         _check_range(self.max_tokens_limit, 1, 1 << 20, "router.max_tokens_limit")
         _check_range(self.default_max_tokens, 1, self.max_tokens_limit, "router.default_max_tokens")
@@ -182,8 +201,6 @@ class HttpConfig:
     served_model_name: str = ""
     """The model name the HTTP front answers to (GET /v1/models, the request's model); empty: the
     checkpoint directory's name."""
-    max_request_mb: float = 32.0
-    """Largest HTTP request body in MiB, data: image URLs included; a larger one is refused with 413."""
     allow_media_urls: bool = False
     """Let requests name images by http(s) URL, fetched by the router; off: data: URLs (and local files
     under allowed_local_media_path) only."""
@@ -205,7 +222,6 @@ class HttpConfig:
         _check(self.served_model_name == "" or (self.served_model_name.isprintable() and
                                                 len(self.served_model_name) <= 256),
                "http.served_model_name", "must be printable and at most 256 characters")
-        _check_range(self.max_request_mb, 0.001, 4096, "http.max_request_mb")
         _check_range(self.media_fetch_timeout_s, 0.1, 600, "http.media_fetch_timeout_s")
         _check_range(self.media_max_mb, 0.001, 1024, "http.media_max_mb")
         _check_range(self.media_max_redirects, 0, 20, "http.media_max_redirects")

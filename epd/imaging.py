@@ -8,7 +8,10 @@ ViT consumes" for Qwen3.5 vision-language models:
   total pixels clamped to [min_pixels, max_pixels], aspect ratio preserved),
 * the cheap header-only probe the router uses to count image tokens
   (:func:`probe_image`), which also refuses decompression bombs, unsupported
-  formats and garbage before anything is decoded,
+  formats and garbage before anything is decoded; it counts on the image as
+  displayed, after its EXIF orientation (orientations 5-8 swap the sides),
+* EXIF orientation applied before resizing, as transformers' ``load_image``
+  does (``ImageOps.exif_transpose``): a portrait phone photo is upright,
 * the full decode + resize + normalize + patchify done by encoder workers
   (:func:`load_pixels`), delegated to transformers' ``Qwen2VLImageProcessorPil``
   so the pixels are exactly those the reference pipeline produces,
@@ -31,11 +34,12 @@ import json
 import math
 import re
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -252,6 +256,58 @@ def _sniff_format(data: bytes) -> str | None:
     return None
 
 
+_ORIENTATION_TAG = 0x0112
+_SWAPS_SIDES = (5, 6, 7, 8)  # transpose, rotate 270, transverse, rotate 90
+_PNG_EXIF_CANDIDATES = 16  # eXIf chunks looked at from the end of a PNG (see _png_exif)
+
+
+def _png_exif(data: bytes) -> bytes | None:
+    """The payload of a PNG's last eXIf chunk, wherever it is (Pillow reads one after the pixel
+    data only when it decodes them; the probe must not). Found by its type and checked by its CRC;
+    only the last few candidates are looked at, so hostile bytes cost nothing. A chunk missed here
+    makes the header disagree with the decode, which the encoder refuses (see ``load_pixels``)."""
+    pos = len(data)
+    for _ in range(_PNG_EXIF_CANDIDATES):
+        pos = data.rfind(b"eXIf", 8, pos)
+        if pos < 12:
+            return None
+        length = int.from_bytes(data[pos - 4 : pos], "big")
+        end = pos + 4 + length
+        if end + 4 <= len(data) and zlib.crc32(data[pos:end]) == int.from_bytes(data[end : end + 4], "big"):
+            return data[pos + 4 : end]
+    return None
+
+
+def _orientation(img: Image.Image, data: bytes) -> int:
+    """The EXIF orientation (1-8; 1 when there is none) that ``ImageOps.exif_transpose`` will apply,
+    read without decoding pixels."""
+    try:
+        if img.format == "PNG":  # PngImageFile.getexif decodes the whole image to find trailing chunks
+            exif = Image.Image.getexif(img)
+            img._exif = None  # not cached: exif_transpose after the decode must read the trailing chunks too
+            payload = _png_exif(data)
+            if payload is not None:
+                exif = Image.Exif()
+                exif.load(b"Exif\x00\x00" + payload)
+        else:
+            exif = img.getexif()
+        orientation = exif.get(_ORIENTATION_TAG, 1)
+    except Exception as exc:  # noqa: BLE001 - whatever a plugin raises on hostile metadata
+        raise ImageError(f"image EXIF data is corrupt: {type(exc).__name__}: {exc}") from None
+    return orientation if isinstance(orientation, int) and 1 <= orientation <= 8 else 1
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """The decoded image turned by its EXIF orientation, exactly as transformers' ``load_image``."""
+    try:
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of an image that needs no turn
+        return img
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ImageError(f"image EXIF data is corrupt: {type(exc).__name__}: {exc}") from None
+
+
 _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
@@ -292,8 +348,10 @@ def _open_header(data: bytes, settings: ImageSettings) -> Image.Image:
                      f"{', '.join(ALLOWED_FORMATS)} file, not base64 or a URL)")
 
 
-def _info_for(img: Image.Image, settings: ImageSettings) -> ImageInfo:
+def _info_for(img: Image.Image, settings: ImageSettings, data: bytes) -> ImageInfo:
     width, height = img.size
+    if _orientation(img, data) in _SWAPS_SIDES:
+        width, height = height, width  # what the model sees is the image turned upright
     fmt = _FORMAT_ALIASES.get(img.format or "", img.format or "")
     if fmt not in ALLOWED_FORMATS:  # defensive: Image.open was limited to these
         raise ImageError(f"unsupported image format {fmt!r}; supported: {', '.join(ALLOWED_FORMATS)}")
@@ -309,7 +367,7 @@ def _info_for(img: Image.Image, settings: ImageSettings) -> ImageInfo:
 def _open_checked(data: bytes, settings: ImageSettings) -> tuple[Image.Image, ImageInfo]:
     img = _open_header(data, settings)
     try:
-        return img, _info_for(img, settings)
+        return img, _info_for(img, settings, data)
     except BaseException:
         img.close()
         raise
@@ -382,7 +440,7 @@ def load_pixels(data: bytes, settings: ImageSettings) -> tuple[torch.Tensor, tup
             raise _bomb_error(exc, settings) from None
         except Exception as exc:
             raise ImageError(f"image data is corrupt or truncated: {exc}") from None
-        out = _processor(settings)(images=[_to_8bit(img)], return_tensors="pt")
+        out = _processor(settings)(images=[_to_8bit(_upright(img))], return_tensors="pt")
     finally:
         img.close()
     pixel_values = out["pixel_values"].float().contiguous()

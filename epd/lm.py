@@ -163,9 +163,18 @@ class TextModelRunner:
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
 
+    def state_dtype(self, name: str) -> torch.dtype:
+        """The dtype of the state tensor ``name``: the model's, except the recurrent state, which
+        transformers' gated delta rule keeps in float32."""
+        return torch.float32 if name.startswith("recurrent.") else self.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed_tokens.num_embeddings
+
     def check_state(self, state: HybridState) -> None:
         """Raise ValueError unless ``state`` is exactly a state of this model holding
-        ``state.num_tokens`` tokens: checked before anything is sized from it."""
+        ``state.num_tokens`` tokens (names, shapes and dtypes): checked before anything is sized from it."""
         if not 1 <= state.num_tokens <= self.model.config.max_position_embeddings:
             raise ValueError(f"state holds {state.num_tokens} tokens; must be in "
                              f"[1, {self.model.config.max_position_embeddings}]")
@@ -174,9 +183,12 @@ class TextModelRunner:
         if have.keys() != want.keys():
             missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
             raise ValueError(f"state tensors do not match the model: missing {missing[:4]}, unexpected {extra[:4]}")
+        dtypes = {name: tensor.dtype for name, tensor in state.named_tensors()}
         for name, shape in want.items():
             if have[name] != shape:
                 raise ValueError(f"state tensor {name} has shape {list(have[name])}, expected {list(shape)}")
+            if dtypes[name] != self.state_dtype(name):
+                raise ValueError(f"state tensor {name} is {dtypes[name]}, expected {self.state_dtype(name)}")
 
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -189,19 +201,33 @@ class TextModelRunner:
 
         Returns the final-norm hidden state of the last token, ``[hidden]``.
         """
-        hidden = embeds.to(self.device, self.dtype).unsqueeze(0)  # [1, T, hidden]
-        cos, sin = self.model.rotary_emb(hidden, positions.to(self.device).unsqueeze(1))
+        return self.forward_many([(embeds, positions, state)])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]]) -> torch.Tensor:
+        """Run several sequences' chunks in one forward: each ``(embeds [T_i, hidden], positions
+        [3, T_i], state_i)`` on top of its own state (updated in place). Every token-wise product
+        (projections, MLP, norms) runs once over all the chunks' tokens; attention and the Gated
+        DeltaNet recurrence run per sequence. Returns the final-norm hidden state of each chunk's
+        last token, ``[len(chunks), hidden]``."""
+        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
+        states = [state for _, _, state in chunks]
+        hidden = torch.cat([embeds.to(self.device, self.dtype) for embeds, _, _ in chunks]).unsqueeze(0)  # [1, ΣT, h]
+        positions = torch.cat([pos for _, pos, _ in chunks], dim=1).to(self.device)
+        cos, sin = self.model.rotary_emb(hidden, positions.unsqueeze(1))
         for index, layer in enumerate(self.model.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             if self.layer_types[index] == "linear_attention":
-                hidden = _linear_attention(layer.linear_attn, hidden, state, index)
+                hidden = _linear_attention(layer.linear_attn, hidden, lengths, states, index)
             else:
-                hidden = _full_attention(layer.self_attn, hidden, cos, sin, state, index)
+                hidden = _full_attention(layer.self_attn, hidden, cos, sin, lengths, states, index)
             hidden = residual + hidden
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        state.num_tokens += embeds.shape[0]
-        return self.model.norm(hidden[0, -1])
+        for state, length in zip(states, lengths):
+            state.num_tokens += length
+        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return self.model.norm(hidden[0, last])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -238,85 +264,101 @@ class TextModelRunner:
         return self.logits(self.model.norm(hidden[:, 0]))
 
 
-def _full_attention(
-    attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: HybridState, index: int
-) -> torch.Tensor:
-    """Gated full attention with partial M-RoPE; appends this chunk's K/V to the state."""
+def _attention_inputs(attn: qm.Qwen3_5Attention, x: torch.Tensor):
+    """The token-wise part of gated attention for ``x [B, L, hidden]``: normed query and key,
+    value ``[B, L, heads, dim]`` and the output gate ``[B, L, heads * dim]``."""
     batch, length, _ = x.shape
     head_dim = attn.head_dim
     query, gate = torch.chunk(attn.q_proj(x).view(batch, length, -1, head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(batch, length, -1)
-    query = attn.q_norm(query).transpose(1, 2)
-    key = attn.k_norm(attn.k_proj(x).view(batch, length, -1, head_dim)).transpose(1, 2)
-    value = attn.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-    query, key = qm.apply_rotary_pos_emb(query, key, cos, sin)
-
-    past_keys, past_values = state.keys[index], state.values[index]
-    if past_keys is not None:
-        key = torch.cat([past_keys, key], dim=2)
-        value = torch.cat([past_values, value], dim=2)
-    state.keys[index], state.values[index] = key, value
-
-    mask = None
-    if length > 1 and past_keys is not None:
-        # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
-        total = key.shape[2]
-        mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=length > 1 and mask is None,
-        scale=attn.scaling,
-        enable_gqa=True,
-    )
-    out = out.transpose(1, 2).reshape(batch, length, -1)
-    return attn.o_proj(out * torch.sigmoid(gate))
+    key = attn.k_norm(attn.k_proj(x).view(batch, length, -1, head_dim))
+    value = attn.v_proj(x).view(batch, length, -1, head_dim)
+    return attn.q_norm(query), key, value, gate.reshape(batch, length, -1)
 
 
-def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, state: HybridState, index: int) -> torch.Tensor:
-    """Gated DeltaNet over a chunk; carries the conv window and the recurrent state in ``state``."""
+def _full_attention(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    lengths: list[int], states: list[HybridState], index: int) -> torch.Tensor:
+    """Gated full attention with partial M-RoPE over several sequences' chunks (``x [1, ΣT, h]``,
+    sequence i owning the next ``lengths[i]`` tokens); appends each chunk's K/V to its state."""
+    queries, keys, values, gate = _attention_inputs(attn, x)
+    outs, start = [], 0
+    for length, state in zip(lengths, states):
+        part = slice(start, start + length)
+        start += length
+        query, key = qm.apply_rotary_pos_emb(queries[:, part].transpose(1, 2), keys[:, part].transpose(1, 2),
+                                             cos[:, part], sin[:, part])
+        value = values[:, part].transpose(1, 2)
+        past_keys, past_values = state.keys[index], state.values[index]
+        if past_keys is not None:
+            key = torch.cat([past_keys, key], dim=2)
+            value = torch.cat([past_values, value], dim=2)
+        state.keys[index], state.values[index] = key, value
+        mask = None
+        if length > 1 and past_keys is not None:
+            # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
+            total = key.shape[2]
+            mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=length > 1 and mask is None,
+                                             scale=attn.scaling, enable_gqa=True)
+        outs.append(out.transpose(1, 2).reshape(1, length, -1))
+    return attn.o_proj(torch.cat(outs, dim=1) * torch.sigmoid(gate))
+
+
+def _gdn_inputs(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
+    """The token-wise part of Gated DeltaNet for ``x [B, L, hidden]``: the conv input ``[B, L,
+    conv_dim]``, the output gate z ``[B, L, v_heads, v_dim]``, beta and the decay g ``[B, L, v_heads]``."""
     batch, length, _ = x.shape
-    mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [1, conv_dim, T], a view of time-major memory
+    mixed = gdn.in_proj_qkv(x)
     z = gdn.in_proj_z(x).reshape(batch, length, -1, gdn.head_v_dim)
     beta = gdn.in_proj_b(x).sigmoid()
     # float32 here because A may overflow to -inf in half precision (as transformers does).
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    mixed, state.conv[index] = kernels.causal_conv1d(
-        mixed, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation, window=state.conv[index])
+    return mixed, z, beta, g
 
-    mixed = mixed.transpose(1, 2)
+
+def _split_qkv(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor):
+    """The conv output ``[B, L, conv_dim]`` -> query, key ``[B, L, k_heads, k_dim]``, value."""
+    batch, length, _ = mixed.shape
     query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    query = query.reshape(batch, length, -1, gdn.head_k_dim)
-    key = key.reshape(batch, length, -1, gdn.head_k_dim)
-    value = value.reshape(batch, length, -1, gdn.head_v_dim)
+    return (query.reshape(batch, length, -1, gdn.head_k_dim), key.reshape(batch, length, -1, gdn.head_k_dim),
+            value.reshape(batch, length, -1, gdn.head_v_dim))
 
-    recurrent = state.recurrent[index]
-    if recurrent is not None and length == 1:
-        # the state may be a caller's snapshot (prefix cache): update a copy, never the original
-        recurrent = recurrent.to(torch.float32, copy=True)
-        core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, recurrent)
-    else:
-        core, recurrent = kernels.chunk_gated_delta_rule(
-            query, key, value, g=g, beta=beta, chunk_size=_gdn_chunk(x.device), initial_state=recurrent,
-            output_final_state=True, use_qk_l2norm_in_kernel=True)
-    state.recurrent[index] = recurrent
+
+def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, lengths: list[int],
+                      states: list[HybridState], index: int) -> torch.Tensor:
+    """Gated DeltaNet over several sequences' chunks; carries each one's conv window and
+    recurrent state in its own state."""
+    mixed_all, z, beta, g = _gdn_inputs(gdn, x)
+    cores, start = [], 0
+    for length, state in zip(lengths, states):
+        part = slice(start, start + length)
+        start += length
+        mixed, state.conv[index] = kernels.causal_conv1d(  # [1, conv_dim, T], a view of time-major memory
+            mixed_all[:, part].transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
+            window=state.conv[index])
+        query, key, value = _split_qkv(gdn, mixed.transpose(1, 2))
+        recurrent = state.recurrent[index]
+        if recurrent is not None and length == 1:
+            # the state may be a caller's snapshot (prefix cache): update a copy, never the original
+            recurrent = recurrent.to(torch.float32, copy=True)
+            core = kernels.recurrent_gated_delta_step(query, key, value, g[:, part], beta[:, part], recurrent)
+        else:
+            core, recurrent = kernels.chunk_gated_delta_rule(
+                query, key, value, g=g[:, part], beta=beta[:, part], chunk_size=_gdn_chunk(x.device),
+                initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.recurrent[index] = recurrent
+        cores.append(core)
+    core = torch.cat(cores, dim=1)
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(core.reshape(batch, length, -1))
+    return gdn.out_proj(core.reshape(1, x.shape[1], -1))
 
 
 def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          batch: BatchBuffers, index: int, lengths: torch.Tensor) -> torch.Tensor:
     """One token per slot: write its K/V at the slot's length, attend over the slot's tokens."""
     size = x.shape[0]
-    head_dim = attn.head_dim
-    query, gate = torch.chunk(attn.q_proj(x).view(size, 1, -1, head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(size, 1, -1)
-    query = attn.q_norm(query).transpose(1, 2)
-    key = attn.k_norm(attn.k_proj(x).view(size, 1, -1, head_dim)).transpose(1, 2)
-    value = attn.v_proj(x).view(size, 1, -1, head_dim).transpose(1, 2)
-    query, key = qm.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key, value, gate = _attention_inputs(attn, x)
+    query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = value.transpose(1, 2)
 
     slots = torch.arange(size, device=x.device)
     keys, values = batch.keys[index], batch.values[index]
@@ -337,16 +379,10 @@ def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.
 def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
     """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place."""
     size = x.shape[0]
-    mixed = gdn.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, 1]
-    z = gdn.in_proj_z(x).reshape(size, 1, -1, gdn.head_v_dim)
-    beta = gdn.in_proj_b(x).sigmoid()
-    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    mixed = kernels.causal_conv1d_step(mixed[..., 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
+    mixed, z, beta, g = _gdn_inputs(gdn, x)  # mixed [B, 1, conv_dim]
+    mixed = kernels.causal_conv1d_step(mixed[:, 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
                                        gdn.conv1d.bias, gdn.activation).unsqueeze(1)
-    query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-    query = query.reshape(size, 1, -1, gdn.head_k_dim)
-    key = key.reshape(size, 1, -1, gdn.head_k_dim)
-    value = value.reshape(size, 1, -1, gdn.head_v_dim)
+    query, key, value = _split_qkv(gdn, mixed)
     core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(size, 1, -1))

@@ -314,7 +314,9 @@ class RoleServer:
     def _serve(self, services: Iterable[Service], host: str, transport: Transport, port: int = 0,
                healthy: Callable[[], bool] = lambda: True, what: str = "the deployment's internal token",
                max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        """Start the server: ``transport`` says who may call (its token, its certificates)."""
+        """Start the server: ``transport`` says who may call (its token, its certificates);
+        ``max_receive_bytes`` is the largest request message it reads (a public service sets it far
+        below the internal hops' cap; gRPC refuses a bigger one with RESOURCE_EXHAUSTED)."""
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]

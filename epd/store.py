@@ -74,17 +74,26 @@ def decode_value(key: str, value: bytes) -> Embedding:
     magic, version, meta_len = _HEADER.unpack_from(value)
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"embedding value has magic {magic!r} version {version}; expected {MAGIC!r} {VERSION}")
+    if _HEADER.size + meta_len > len(value):
+        raise ValueError(f"embedding value ends inside its {meta_len}-byte header")
     try:
         meta = json.loads(value[_HEADER.size : _HEADER.size + meta_len])
         written_for, dtype, shape, grid = meta["key"], meta["dtype"], meta["shape"], meta["grid_thw"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"embedding value has an unreadable header: {error}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise ValueError(f"embedding value has an unreadable header: {type(error).__name__}: {error}") from None
     if written_for != key:
         raise ValueError(f"embedding value was written for another key ({str(written_for)[:80]})")
-    if not (isinstance(shape, list) and len(shape) == 2 and isinstance(grid, list) and len(grid) == 3):
-        raise ValueError(f"embedding value has shape {shape} and grid {grid}; expected 2 and 3 numbers")
+    if not (_sizes(shape, 2) and _sizes(grid, 3) and isinstance(dtype, str) and dtype in tensors.DTYPES):
+        raise ValueError(f"embedding value has dtype {str(dtype)[:20]}, shape {str(shape)[:40]} and grid "
+                         f"{str(grid)[:40]}; expected a dtype name, 2 and 3 sizes")
     data = memoryview(value)[_HEADER.size + meta_len :]
-    return Embedding(tensor=tensors.from_bytes(data, dtype, shape), grid_thw=tuple(int(v) for v in grid))
+    return Embedding(tensor=tensors.from_bytes(data, dtype, shape), grid_thw=tuple(grid))
+
+
+def _sizes(value, count: int) -> bool:
+    """``value`` is a list of ``count`` non-negative ints (JSON from a stored value is not trusted)."""
+    return (isinstance(value, list) and len(value) == count
+            and all(type(size) is int and 0 <= size < 1 << 40 for size in value))
 
 
 class EmbeddingStore:

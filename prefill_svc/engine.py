@@ -14,6 +14,7 @@ is copied into the prefix cache. Positions are computed here from the request al
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_ha
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
 MIB = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class PrefillEngine:
         self.embeddings: ByteLRU[torch.Tensor] = ByteLRU(self.config.embedding_cache_mb * MIB)
         self.prefix = PrefixCache(self.config.prefix_cache_mb * MIB, self.config.prefix_block_size,
                                   self.config.snapshot_every_blocks)
-        self._scheduler = PrefillScheduler(self.config.chunk_tokens)
+        self._scheduler = PrefillScheduler(self.config.chunk_tokens, self.config.batch_tokens, self.config.max_wait_s)
         self._jobs: dict[PromptProgress, PrefillJob] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -118,7 +120,7 @@ class PrefillEngine:
                 raise errors.Unavailable("prefill is shutting down")
             job.queued_at = time.perf_counter()
             self._jobs[job.progress] = job
-            self._scheduler.add(job.progress)
+            self._scheduler.add(job.progress, time.monotonic())
             self._wake.notify()
         return job
 
@@ -191,7 +193,9 @@ class PrefillEngine:
             ref = images[index]
             if ref.store_key in found:
                 continue
-            tensor = self._inline(ref) if ref.embedding else self.embeddings.get(ref.store_key)
+            tensor = self._inline(ref, expected[ref.store_key]) if ref.embedding else None
+            if tensor is None:
+                tensor = self.embeddings.get(ref.store_key)
             if tensor is not None and tuple(tensor.shape) == expected[ref.store_key]:
                 found[ref.store_key] = tensor
         missing = [key for key in expected if key not in found]
@@ -217,11 +221,18 @@ class PrefillEngine:
             out[index] = found[ref.store_key]
         return out
 
-    def _inline(self, ref: epd_pb2.ImageRef) -> torch.Tensor | None:
+    def _inline(self, ref: epd_pb2.ImageRef, shape: tuple[int, int]) -> torch.Tensor | None:
+        """An embedding sent with the request; one that fails its checks or has the wrong shape is
+        a miss (the LRU, then the store, then a re-encode), and is never cached."""
         try:
             tensor = decode_value(ref.store_key, ref.embedding).tensor
         except ValueError as error:
-            raise ValueError(f"inline embedding for {ref.store_key[-16:]}: {error}") from None
+            log.warning("prefill: ignoring the inline embedding for %s: %s", ref.store_key[-16:], error)
+            return None
+        if tuple(tensor.shape) != shape:
+            log.warning("prefill: ignoring the inline embedding for %s: shape %s, expected %s",
+                        ref.store_key[-16:], list(tensor.shape), list(shape))
+            return None
         self.embeddings.put(ref.store_key, tensor, tensor.numel() * tensor.element_size())
         return tensor
 
@@ -242,35 +253,54 @@ class PrefillEngine:
                     self._wake.wait()
                 if self._stopping:
                     return
-                progress, end = self._scheduler.next_chunk()
-                job = self._jobs[progress]
-                if job.started_at is None:
-                    job.started_at = time.perf_counter()  # from here a cancel waits for a chunk edge
-            try:
-                self._run_chunk(job, end)
-            except Exception as error:  # noqa: BLE001 - one prompt's failure must not stop the others
-                self._finish(job, error)
+                batch = [(self._jobs[progress], end) for progress, end in self._scheduler.next_batch(time.monotonic())]
+                for job, _ in batch:
+                    if job.started_at is None:
+                        job.started_at = time.perf_counter()  # from here a cancel waits for a chunk edge
+            batch = self._drop_expired(batch)
+            if not batch:
                 continue
+            try:
+                self._run_chunks(batch)
+            except Exception as error:  # noqa: BLE001 - a failed forward fails its prompts, never the loop
+                for job, _ in batch:
+                    self._finish(job, error)
+                continue
+            done = []
             with self._wake:
-                if job.cancelled:
-                    continue  # cancelled during the chunk: it already left the queue
-                self._scheduler.advance(progress, end)
-            if progress.done:
+                now = time.monotonic()
+                for job, end in batch:
+                    if not job.cancelled:  # a cancelled one already left the queue
+                        self._scheduler.advance(job.progress, end, now)
+                        if job.progress.done:
+                            done.append(job)
+            for job in done:
                 self._finish(job, None)
 
-    def _run_chunk(self, job: PrefillJob, end: int) -> None:
-        if job.deadline_unix and time.time() > job.deadline_unix:
-            raise errors.DeadlineExceeded("prefill: request passed its deadline while queued")
-        base = job.cached_tokens
-        lo, hi = job.progress.cursor - base, end - base
-        hidden = self.runner.forward(job.embeds[lo:hi], job.positions[:, lo:hi], job.state)
-        block_size = self.prefix.block_size
-        if end in job.progress.stops and self.config.prefix_cache_mb:
-            block_hash = job.block_hashes[end // block_size - 1]
-            if self.prefix.wants(block_hash):
-                self.prefix.insert(block_hash, job.state)
-        if end == job.progress.prompt_len:
-            job.logits = self.runner.logits(hidden)
+    def _drop_expired(self, batch: list[tuple[PrefillJob, int]]) -> list[tuple[PrefillJob, int]]:
+        keep = []
+        for job, end in batch:
+            if job.deadline_unix and time.time() > job.deadline_unix:
+                self._finish(job, errors.DeadlineExceeded("prefill: request passed its deadline while queued"))
+            else:
+                keep.append((job, end))
+        return keep
+
+    def _run_chunks(self, batch: list[tuple[PrefillJob, int]]) -> None:
+        """One forward over the next chunk of every prompt in ``batch``."""
+        chunks = []
+        for job, end in batch:
+            base = job.cached_tokens
+            lo, hi = job.progress.cursor - base, end - base
+            chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
+        hidden = self.runner.forward_many(chunks)
+        for row, (job, end) in enumerate(batch):
+            if end in job.progress.stops and self.config.prefix_cache_mb:
+                block_hash = job.block_hashes[end // self.prefix.block_size - 1]
+                if self.prefix.wants(block_hash):
+                    self.prefix.insert(block_hash, job.state)
+            if end == job.progress.prompt_len:
+                job.logits = self.runner.logits(hidden[row])
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         with self._wake:

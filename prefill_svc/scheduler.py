@@ -1,10 +1,13 @@
-"""Which waiting prompt runs its next chunk, and how long that chunk is: bookkeeping only.
+"""Which waiting prompts run their next chunk in the next forward, and how long each chunk is:
+bookkeeping only.
 
-Prompts are prefilled in chunks of at most ``chunk_tokens``. Between chunks the prompt with the
-fewest tokens left goes next (shortest remaining first; arrival order breaks ties), so a short
-prompt that arrives while a long one is running waits for at most one chunk instead of the whole
-long prompt. A chunk also ends at each of the prompt's snapshot points, where the engine copies
-the state into the prefix cache. The engine owns the tensors; this only counts tokens.
+Every forward takes up to ``batch_tokens`` prompt tokens, as chunks of at most ``chunk_tokens``
+from one or several prompts (so short prompts share a forward, like vLLM's token budget). Prompts
+are taken shortest remaining first (a short prompt that arrives while a long one runs waits for at
+most one forward), arrival order breaking ties; but a prompt that has not run for ``max_wait_s``
+goes first, oldest first (aging: a steady stream of short prompts never starves a long one). A
+chunk also ends at each of the prompt's snapshot points, where the engine copies the state into
+the prefix cache. The engine owns the tensors; this only counts tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class PromptProgress:
     cursor: int = 0  # first token not yet computed (a prefix-cache hit starts past 0)
     stops: Sequence[int] = ()  # token counts after which a chunk must end (snapshot points)
     arrival: int = field(default=0)
+    last_ran: float = 0.0  # when a chunk of it last ran (or it arrived)
 
     @property
     def remaining(self) -> int:
@@ -33,17 +37,20 @@ class PromptProgress:
 
 
 class PrefillScheduler:
-    def __init__(self, chunk_tokens: int) -> None:
+    def __init__(self, chunk_tokens: int, batch_tokens: int = 0, max_wait_s: float = float("inf")) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
+        self.batch_tokens = max(batch_tokens, chunk_tokens)
+        self.max_wait_s = max_wait_s
         self._waiting: list[PromptProgress] = []
         self._arrivals = itertools.count()
 
-    def add(self, progress: PromptProgress) -> None:
+    def add(self, progress: PromptProgress, now: float = 0.0) -> None:
         if progress.done:
             raise ValueError("a prompt with nothing left to compute cannot be scheduled")
         progress.arrival = next(self._arrivals)
+        progress.last_ran = now
         self._waiting.append(progress)
 
     def remove(self, progress: PromptProgress) -> None:
@@ -53,22 +60,38 @@ class PrefillScheduler:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def next_batch(self, now: float = 0.0) -> list[tuple[PromptProgress, int]]:
+        """The chunks of the next forward: (prompt, end of its chunk, exclusive), in run order."""
+        starving = sorted((p for p in self._waiting if now - p.last_ran >= self.max_wait_s), key=lambda p: p.arrival)
+        rest = sorted((p for p in self._waiting if now - p.last_ran < self.max_wait_s),
+                      key=lambda p: (p.remaining, p.arrival))
+        batch, budget = [], self.batch_tokens
+        for progress in starving + rest:
+            if budget <= 0:
+                break
+            end = self._chunk_end(progress, min(self.chunk_tokens, budget))
+            batch.append((progress, end))
+            budget -= end - progress.cursor
+        return batch
+
     def next_chunk(self) -> tuple[PromptProgress, int] | None:
-        """The prompt to run next and the end (exclusive token index) of its chunk."""
-        if not self._waiting:
-            return None
-        progress = min(self._waiting, key=lambda p: (p.remaining, p.arrival))
-        end = min(progress.cursor + self.chunk_tokens, progress.prompt_len)
+        """The first chunk of the next forward (a forward of one chunk)."""
+        batch = self.next_batch()
+        return batch[0] if batch else None
+
+    @staticmethod
+    def _chunk_end(progress: PromptProgress, tokens: int) -> int:
+        end = min(progress.cursor + tokens, progress.prompt_len)
         for stop in progress.stops:
             if progress.cursor < stop < end:
-                end = stop
-                break
-        return progress, end
+                return stop
+        return end
 
-    def advance(self, progress: PromptProgress, end: int) -> None:
+    def advance(self, progress: PromptProgress, end: int, now: float = 0.0) -> None:
         """Record that the chunk up to ``end`` ran; a finished prompt leaves the queue."""
         if not progress.cursor < end <= progress.prompt_len:
             raise ValueError(f"chunk end {end} outside ({progress.cursor}, {progress.prompt_len}]")
         progress.cursor = end
+        progress.last_ran = now
         if progress.done:
             self.remove(progress)

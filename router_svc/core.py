@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 MAX_RESUMES = 8  # a request moves to another decode worker at most this often
 STAGES = ("tokenize", "encode", "prefill", "decode")
+MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
+MAX_STOP_CHARS = 1000
 
 
 class RouterCore:
@@ -163,6 +165,10 @@ class RouterCore:
     # ---------------------------------------------------------------- steps
 
     def _resolve_sampling(self, params: epd_pb2.SamplingParams) -> SamplingConfig:
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+        if any(len(stop) > MAX_STOP_CHARS for stop in params.stop):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters")
         max_tokens = params.max_tokens if params.HasField("max_tokens") else self.config.default_max_tokens
         if max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")

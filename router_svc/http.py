@@ -109,14 +109,15 @@ class ChatOptions:
 class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
-                 metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "") -> None:
+                 metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "",
+                 max_request_mb: int = 64) -> None:
         self.core, self.config, self.model_name = core, config, model_name
         self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
         self.read_metrics = metrics
         self._api_key = api_key.encode()
         self.healthy, self.stats = healthy, stats
         self.media = MediaLoader(config)
-        self.max_body = int(config.max_request_mb * 1024 * 1024)
+        self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),

@@ -1,7 +1,10 @@
 """Chat messages -> prompt token ids, with each image's placeholder expanded to its token count.
 
 The router only reads each image's header here (size -> resized grid -> token count); the pixels
-are decoded by the encoder replicas.
+are decoded by the encoder replicas. Client text is plain text (``router_svc.tokens``): control
+tokens in it are the characters they are, unless the router trusts its callers
+(``router.allow_special_tokens``). Limits are checked before anything is rendered or tokenized:
+images per request, messages and parts, and the characters of text the context window can hold.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 from epd import imaging, store
 from epd.modelinfo import ModelInfo
 from epd.v1 import epd_pb2
+from router_svc.tokens import PlainText
 
 ROLES = ("system", "user", "assistant")
 # Text may not smuggle in vision placeholders: they would be matched to images that aren't there.
@@ -36,30 +40,62 @@ class Prompt:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, info: ModelInfo, settings: imaging.ImageSettings) -> None:
+    def __init__(self, tokenizer, info: ModelInfo, settings: imaging.ImageSettings, *, max_model_len: int = 0,
+                 max_images: int = 16, allow_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.settings = settings
+        self.max_model_len = max_model_len or info.max_position_embeddings
+        self.max_images = max_images
+        self.allow_special_tokens = allow_special_tokens
+        self.plain = PlainText(tokenizer)
+        # Text longer than this cannot fit the context window whatever it says: refused untokenized.
+        self.max_text_chars = self.plain.max_chars(self.max_model_len)
 
     @classmethod
-    def load(cls, model_dir: str, info: ModelInfo, max_decoded_pixels: int) -> PromptBuilder:
+    def load(cls, model_dir: str, info: ModelInfo, max_decoded_pixels: int, **limits) -> PromptBuilder:
+        """``limits``: ``max_model_len``, ``max_images``, ``allow_special_tokens`` (see ``__init__``)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels))
+        return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels), **limits)
 
     def build(self, messages, max_pixels: int | None, enable_thinking: bool) -> Prompt:
         """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem."""
+        self._check_limits(messages)
         settings = self.settings.with_max_pixels(max_pixels)
         chat, images = self._to_chat(messages, settings)
         text = self.tokenizer.apply_chat_template(
-            chat, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+            chat, tokenize=False, add_generation_prompt=True, enable_thinking=bool(enable_thinking)
         )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.allow_special_tokens:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.plain.encode(text)
         return Prompt(token_ids=self._expand_placeholders(ids, images), images=images)
 
-    def _to_chat(self, messages, settings) -> tuple[list[dict], list[PromptImage]]:
+    def _check_limits(self, messages) -> None:
+        """What a request may hold, checked before any of it is rendered, probed or tokenized."""
         if not messages:
             raise ValueError("prompt is empty: the request has no messages")
+        # A message costs at least its turn's tokens; more messages and parts than the window has
+        # tokens are not worth rendering (thousands of empty parts would only cost time).
+        num_parts = sum(len(message.content) for message in messages)
+        if len(messages) + num_parts > self.max_model_len:
+            raise ValueError(f"request has {len(messages)} messages with {num_parts} content parts; a context "
+                             f"window of {self.max_model_len} tokens cannot hold them")
+        num_images = sum(part.WhichOneof("part") == "image" for message in messages for part in message.content)
+        if num_images > self.max_images:
+            raise ValueError(f"request has {num_images} images; at most {self.max_images} images per request "
+                             "are allowed (router.max_images_per_request)")
+        if self.max_text_chars is not None:
+            chars = sum(len(part.text) for message in messages for part in message.content)
+            if chars > self.max_text_chars:
+                raise ValueError(
+                    f"prompt text is {chars} characters, more than the {self.max_text_chars} characters a context "
+                    f"window of {self.max_model_len} tokens can hold (a token is at most "
+                    f"{self.plain.longest_token_bytes} bytes); refused without tokenizing")
+
+    def _to_chat(self, messages, settings) -> tuple[list[dict], list[PromptImage]]:
         chat: list[dict] = []
         images: list[PromptImage] = []
         has_content = False
@@ -73,8 +109,11 @@ class PromptBuilder:
                     parts.append({"type": "image"})
                     has_content = True
                 elif part.WhichOneof("part") == "text":
-                    self._check_text(part.text, m_index)
-                    parts.append({"type": "text", "text": part.text})
+                    if self.allow_special_tokens:
+                        self._check_text(part.text, m_index)
+                        parts.append({"type": "text", "text": part.text})
+                    else:  # plain text: vision placeholders in it are characters too, harmless
+                        parts.append({"type": "text", "text": self.plain.escape(part.text)})
                     has_content = has_content or bool(part.text.strip())
             chat.append({"role": message.role, "content": parts})
         if not has_content:
@@ -91,6 +130,7 @@ class PromptBuilder:
 
     @staticmethod
     def _check_text(text: str, m_index: int) -> None:
+        """With special tokens allowed: vision placeholders would be matched to images that aren't there."""
         for token in RESERVED:
             if token in text:
                 raise ValueError(f"message {m_index} text contains the reserved token {token}; send images as image parts")

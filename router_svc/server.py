@@ -68,7 +68,9 @@ class RouterServer(rpc.RoleServer):
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.router
         info = ModelInfo.load(serve.model_dir)
-        builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels)
+        builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels,
+                                     max_model_len=config.max_model_len, max_images=config.max_images_per_request,
+                                     allow_special_tokens=config.allow_special_tokens)
         internal = rpc.internal_transport(serve.security)
         self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
                          discovery.decode_targets(context, internal)]
@@ -81,14 +83,14 @@ class RouterServer(rpc.RoleServer):
         self.servicer = RouterServicer(self.core, self.stats)
         self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"), _REFLECTION],
                     context.host, rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
-                    what="an API key (authorization: Bearer KEY)")
+                    what="an API key (authorization: Bearer KEY)", max_receive_bytes=config.max_request_mb << 20)
         self.http = None
         if serve.http.port is not None:
             from router_svc.http import HttpFront, default_model_name
 
             self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
                 serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics,
-                serve.security.tls_cert, serve.security.tls_key)
+                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb)
             self.events.run(self.http.start(self.host, serve.http.port))
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())

@@ -8,12 +8,25 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
 import pytest
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from epd import rpc
+
+# Property tests are reproducible (a fixed seed per test), leave no example database behind, and
+# have no per-example deadline (a loaded 2-core machine makes timings meaningless). Hypothesis's
+# own cache (constants it reads from the code) goes to the temp directory, not into the repo.
+settings.register_profile("epd", derandomize=True, database=None, deadline=None)
+settings.load_profile("epd")
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "epd-hypothesis"))
 
 READY_PREFIX = "epd ready at "
+INTERNAL_TOKEN = "the-test-suite-internal-token-0123456789"
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +123,13 @@ def epd_status(address: str) -> dict:
 
 @pytest.fixture(scope="session")
 def serve(tiny_model_dir, tmp_path_factory):
-    server = ServeProcess(tiny_model_dir, "--encoders", "2", log_path=str(tmp_path_factory.mktemp("logs") / "serve.log"))
+    """The shared stack. Its internal token is known (``server.internal``: metadata to send), so a
+    test may call an internal service the way another role would."""
+    secrets_dir = tmp_path_factory.mktemp("secrets")
+    (secrets_dir / "token").write_text(INTERNAL_TOKEN)
+    server = ServeProcess(tiny_model_dir, "--encoders", "2", "--internal-token-file", str(secrets_dir / "token"),
+                          log_path=str(tmp_path_factory.mktemp("logs") / "serve.log"))
+    server.internal = ((rpc.INTERNAL_TOKEN_KEY, INTERNAL_TOKEN),)
     yield server
     assert server.stop() == [], "epd serve left processes behind"
 

@@ -269,3 +269,21 @@ def _run_one(engine, request_id, prefilled, max_tokens):
     engine.claim(request_id, events.put)
     tokens, _ = _drain(events)
     return tokens
+
+
+def test_a_state_of_another_dtype_is_refused_before_it_can_size_the_batch(runner):
+    """A batch sizes its buffers from its first state: one in another dtype (a forged handoff)
+    would make every later step mix dtypes, so it is refused and the batch stays usable."""
+    ids = torch.arange(3, 10)
+    pos, _ = positions.mrope_positions(7, [])
+    state = runner.new_state()
+    runner.forward(runner.embed(ids), pos, state)
+    other = state.clone()
+    name = next(n for n, _ in other.named_tensors() if n.startswith("keys."))
+    layer = int(name.split(".")[1])
+    other.keys[layer] = other.keys[layer].to(torch.float16)
+    batch = DecodeBatch(runner)
+    with pytest.raises(ValueError, match=rf"{name} is torch.float16, expected torch.float32"):
+        batch.add(other)
+    assert len(batch) == 0 and batch.nbytes() == 0
+    assert batch.add(state) == 0

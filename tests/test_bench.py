@@ -277,6 +277,14 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     assert report["machine"]["cpu_count"] >= 1 and report["machine"]["memory_gib"] > 0
     assert "speedup (tok/s)" in stdout
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+    # The roofline: measured limits, the workload's bound by stage, and both systems' share of it.
+    roof = report["roofline"]
+    assert roof["limits"]["peak_flops"] > 1e9 and roof["limits"]["bandwidth"] > 1e8
+    assert roof["roofline_s"] == pytest.approx(sum(roof["stages"].values())) and all(roof["stages"].values())
+    assert roof["decode_steps"] == 2 * 7  # ceil(4 requests / 2 in flight) x (8 - 1) steps
+    assert 0 < report["efficiency"] < 1 and 0 < report["baseline"]["efficiency"] < 1
+    assert 0 < roof["ttft_work_ahead_s"]["p50"] <= roof["ttft_work_ahead_s"]["p99"]
+    assert "roofline" in stdout and "efficiency" in stdout
 
 
 def test_open_loop_with_repeated_images_hits_the_encoder_cache(addr, tmp_path):

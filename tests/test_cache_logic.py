@@ -78,6 +78,40 @@ def test_scheduler_runs_the_shortest_remaining_prompt_next_and_stops_at_snapshot
         scheduler.add(PromptProgress(prompt_len=5, cursor=5))
 
 
+def test_several_prompts_share_a_forward_up_to_the_token_budget():
+    scheduler = PrefillScheduler(chunk_tokens=64, batch_tokens=100)
+    a, b, c = (PromptProgress(prompt_len=n) for n in (30, 50, 300))
+    for progress in (c, a, b):
+        scheduler.add(progress, now=0.0)
+    # Shortest first: all of a (30), all of b (50), then c's chunk cut to the 20 tokens left.
+    assert scheduler.next_batch(now=0.0) == [(a, 30), (b, 50), (c, 20)]
+    for progress, end in scheduler.next_batch(now=0.0):
+        scheduler.advance(progress, end, now=0.1)
+    assert a.done and b.done and scheduler.next_batch(now=0.2) == [(c, 84)]  # one prompt: a chunk of 64
+
+
+@pytest.mark.parametrize("max_wait_s", [2.0, float("inf")])
+def test_a_prompt_waiting_too_long_goes_first(max_wait_s):
+    """Short prompts keep arriving, each filling a whole forward: shortest-first alone would
+    never run the long one; with aging it runs once it has waited max_wait_s."""
+    scheduler = PrefillScheduler(chunk_tokens=30, batch_tokens=30, max_wait_s=max_wait_s)
+    long = PromptProgress(prompt_len=10_000)
+    scheduler.add(long, now=0.0)
+    long_ran_at = []
+    for n in range(20):
+        now = 0.5 * n
+        scheduler.add(PromptProgress(prompt_len=30), now=now)
+        for progress, end in scheduler.next_batch(now=now):
+            if progress is long:
+                long_ran_at.append(now)
+            scheduler.advance(progress, end, now=now)
+    if max_wait_s == float("inf"):
+        assert long_ran_at == []  # starved
+    else:
+        assert long_ran_at and long_ran_at[0] == 2.0  # the first forward after it had waited 2 s
+        assert all(b - a <= 2.5 for a, b in zip(long_ran_at, long_ran_at[1:]))  # and again every ~2 s
+
+
 def test_single_flight_runs_one_call_per_key_and_shares_the_outcome():
     async def scenario():
         flights: SingleFlight[str] = SingleFlight()

@@ -24,6 +24,19 @@ SMALL = make_image(100, 80, seed=4)  # below min_pixels: enlarged
 BIG = make_image(1024, 1024, seed=5)  # reduced by a per-request max_pixels
 CAP = 128 * 32 * 32
 
+
+def phone_portrait_jpeg(width: int = 640, height: int = 360, seed: int = 6) -> bytes:
+    """A portrait phone photo as phones store it: landscape pixels plus EXIF orientation 6 (turn
+    90 degrees clockwise to view)."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    Image.open(io.BytesIO(make_image(width, height, seed=seed))).save(out, "JPEG", quality=90, exif=exif.tobytes())
+    return out.getvalue()
+
+
+ROTATED = phone_portrait_jpeg()
+
 PARITY_CASES = [
     pytest.param("Hello! Who are you?", [], None, id="text-only"),
     pytest.param("What is in this picture?", [SQUARE], None, id="square"),
@@ -32,6 +45,7 @@ PARITY_CASES = [
     pytest.param("Tiny image?", [SMALL], None, id="below-min-pixels"),
     pytest.param("Summarise.", [BIG], CAP, id="max-pixels-capped"),
     pytest.param("Compare the three images.", [SQUARE, WIDE, TALL], None, id="three-images"),
+    pytest.param("Which way is up?", [ROTATED], None, id="exif-rotated-phone-jpeg"),
 ]
 
 
@@ -178,7 +192,6 @@ BAD_REQUESTS = [
     pytest.param(dict(top_k=-3), "top_k must be >= 0", id="negative-top-k"),
     pytest.param(dict(logprobs=99), "logprobs must be in [0, 20]", id="too-many-logprobs"),
     pytest.param(dict(images=[SQUARE], max_pixels=10), "max_pixels 10 is out of range", id="max-pixels-out-of-range"),
-    pytest.param(dict(prompt="<|image_pad|> sneaky"), "reserved token <|image_pad|>", id="reserved-token-in-text"),
 ]
 
 

@@ -194,3 +194,115 @@ def test_from_named_tensors_places_tensors():
     assert state.keys == [None] * 4 and state.recurrent == [None] * 4
     assert state.num_tokens == 7
     assert state.nbytes() == 2 * 2 * 4
+
+
+# --------------------------------------------------------------------------- checked against the model
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    from epd.lm import TextModelRunner
+
+    return TextModelRunner.load(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def real(runner):
+    """A real prefill state of 9 tokens from the tiny model, and its handoff chunks."""
+    from epd import positions
+
+    state = runner.new_state()
+    ids = torch.arange(5, 14)
+    runner.forward(runner.embed(ids), positions.mrope_positions(9, [])[0], state)
+    header = _header(prompt_len=9, first_token=7)
+    return state, list(handoff.chunks(header, state, chunk_bytes=4096))
+
+
+def _with_header(parts, **changes):
+    header = epd_pb2.HandoffHeader()
+    header.CopyFrom(parts[0].header)
+    for name, value in changes.items():
+        if isinstance(value, epd_pb2.ResolvedSampling):
+            getattr(header, name).CopyFrom(value)
+        else:
+            setattr(header, name, value)
+    return [epd_pb2.HandoffChunk(header=header), *parts[1:]]
+
+
+def _respec(parts, tensor, **changes):
+    header = epd_pb2.HandoffHeader()
+    header.CopyFrom(parts[0].header)
+    spec = next(s for s in header.tensors if s.name == tensor)
+    if "shape" in changes:
+        del spec.shape[:]
+        spec.shape.extend(changes.pop("shape"))
+    for field, value in changes.items():
+        setattr(spec, field, value)
+    return [epd_pb2.HandoffChunk(header=header), *parts[1:]]
+
+
+def test_a_real_state_passes_the_model_checks_bit_exact(runner, real):
+    state, parts = real
+    got = handoff.receive(parts, runner.num_layers, runner=runner)
+    _assert_same_state(state, got.state)
+
+
+def _refused_at_header(runner, parts, match):
+    """The header alone is refused: nothing after it is read or kept."""
+    receiver = handoff.Receiver(runner.num_layers, runner=runner)
+    with pytest.raises(ValueError, match=match):
+        receiver.add(parts[0])
+    assert len(receiver._data) == 0
+
+
+@pytest.mark.parametrize("prompt_len", [0, -3, 2**31 - 1])
+def test_a_forged_prompt_length_is_refused_before_anything_is_kept(runner, real, prompt_len):
+    _refused_at_header(runner, _with_header(real[1], prompt_len=prompt_len), "prompt_len")
+
+
+def test_a_request_that_would_grow_past_the_model_positions_is_refused(runner, real):
+    """Decode's K/V grows a token per step: max_tokens past the model's positions is refused up
+    front, not after the memory is spent (a resumed request counts what it already generated)."""
+    max_len = runner.model.config.max_position_embeddings
+    parts = real[1]
+    sampling = epd_pb2.ResolvedSampling(max_tokens=max_len - 9 + 2)
+    _refused_at_header(runner, _with_header(parts, sampling=sampling), "past the model's")
+    fits = epd_pb2.ResolvedSampling(max_tokens=max_len - 9 + 1)
+    handoff.receive(_with_header(parts, sampling=fits), runner.num_layers, runner=runner)
+    handoff.receive(_with_header(parts, sampling=sampling, num_generated=2), runner.num_layers, runner=runner)
+
+
+@pytest.mark.parametrize("token", [-1, 10**9])
+def test_a_first_token_outside_the_vocabulary_is_refused(runner, real, token):
+    _refused_at_header(runner, _with_header(real[1], first_token=token), "first_token")
+
+
+def test_tensors_that_do_not_fit_the_model_are_refused_at_the_header(runner, real):
+    parts = real[1]
+    keys = next(s.name for s in parts[0].header.tensors if s.name.startswith("keys."))
+    _refused_at_header(runner, _respec(parts, keys, shape=[1, 2, 2**30, 256]), f"handoff tensor {keys} is")
+    _refused_at_header(runner, _respec(parts, keys, dtype="bfloat16"), f"handoff tensor {keys} is bfloat16")
+    _refused_at_header(runner, _respec(parts, keys, name="keys.999"), "do not match the model")
+    header = epd_pb2.HandoffHeader()
+    header.CopyFrom(parts[0].header)
+    del header.tensors[-1]
+    _refused_at_header(runner, [epd_pb2.HandoffChunk(header=header)], "missing")
+
+
+def test_bytes_past_the_header_are_refused_as_they_arrive(runner, real):
+    """A stream that never ends is cut at the first chunk past what its header lists: memory is
+    bounded by a real state's size, not by what the sender keeps sending."""
+    _, parts = real
+    receiver = handoff.Receiver(runner.num_layers, runner=runner)
+    receiver.add(parts[0])
+    with pytest.raises(ValueError, match="past its last tensor"):
+        for _ in range(10**6):
+            receiver.add(epd_pb2.HandoffChunk(data=b"\x00" * 4096))
+    assert len(receiver._data) <= receiver._total
+
+
+@pytest.mark.parametrize("shape,dtype", [([-1, 4], "float32"), ([-2, -2], "float32"), ([4], "int8"), ([2], "")])
+def test_without_a_model_bad_specs_are_value_errors(shape, dtype):
+    header = _header(prompt_len=1, tensors=[epd_pb2.TensorSpec(name="keys.3", dtype=dtype, shape=shape)])
+    with pytest.raises(ValueError, match="expected a supported dtype"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header), epd_pb2.HandoffChunk(data=b"\x00" * 16)], NUM_LAYERS)

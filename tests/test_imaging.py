@@ -339,3 +339,84 @@ def test_image_info_properties():
     info = ImageInfo(1280, 720, "PNG", 1280, 704, (1, 44, 80))
     assert info.num_tokens == 880
     assert info.merged_grid == (22, 40)
+
+
+# --------------------------------------------------------------------------- EXIF orientation
+
+
+def with_orientation(img: Image.Image, orientation: int, fmt: str = "JPEG") -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(img, fmt, exif=exif.tobytes(), **({"quality": 90} if fmt == "JPEG" else {}))
+
+
+def png_with_trailing_exif(img: Image.Image, orientation: int) -> bytes:
+    """A PNG whose eXIf chunk comes after the pixel data (legal; Pillow reads it only on decode)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(img, "PNG")
+    iend = data.rindex(b"IEND") - 4
+    return data[:iend] + png_chunk(b"eXIf", exif.tobytes()[6:]) + data[iend:]  # tobytes starts with Exif\0\0
+
+
+def upright_reference(data: bytes, max_pixels: int = S.max_pixels):
+    """What transformers' load_image does first: ImageOps.exif_transpose."""
+    from PIL import ImageOps
+
+    return reference(ImageOps.exif_transpose(Image.open(io.BytesIO(data))), max_pixels)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_before_resizing_as_transformers_does(fmt, orientation):
+    data = with_orientation(noise(640, 360, seed=31), orientation, fmt)
+    info = probe_image(data, S)
+    turned = orientation in (5, 6, 7, 8)
+    assert (info.width, info.height) == ((360, 640) if turned else (640, 360))
+    pixel_values, grid = load_pixels(data, S)
+    ref_values, ref_grid = upright_reference(data)
+    assert grid == info.grid_thw == tuple(ref_grid[0].tolist())
+    assert torch.equal(pixel_values, ref_values)
+    if orientation != 1:  # the orientation really changes what the model sees
+        assert not torch.equal(pixel_values, reference(Image.open(io.BytesIO(data)))[0])
+
+
+def test_phone_portrait_jpeg_counts_tokens_on_the_upright_size():
+    """A phone's portrait photo: stored 1280x720 landscape with orientation 6 (rotate 90 clockwise)."""
+    data = with_orientation(noise(1280, 720, seed=32), 6)
+    info = probe_image(data, S)
+    assert (info.width, info.height) == (720, 1280)
+    assert info.grid_thw == (1, 80, 44) and info.num_tokens == 880
+
+
+def test_png_exif_after_the_pixel_data_is_found_by_the_header_probe():
+    data = png_with_trailing_exif(noise(300, 160, seed=33), 8)
+    assert data.index(b"eXIf") > data.index(b"IDAT")
+    info = probe_image(data, S)
+    assert (info.width, info.height) == (160, 300)
+    pixel_values, grid = load_pixels(data, S)
+    ref_values, ref_grid = upright_reference(data)
+    assert grid == info.grid_thw == tuple(ref_grid[0].tolist())
+    assert torch.equal(pixel_values, ref_values)
+
+
+@pytest.mark.parametrize("value", [0, 9, 65535])
+def test_out_of_range_orientation_is_ignored_as_transformers_does(value):
+    data = with_orientation(noise(320, 200, seed=34), value)
+    info = probe_image(data, S)
+    assert (info.width, info.height) == (320, 200)
+    pixel_values, _ = load_pixels(data, S)
+    assert torch.equal(pixel_values, upright_reference(data)[0])
+
+
+def test_corrupt_exif_is_an_image_error_not_a_crash():
+    img = noise(320, 200, seed=35)
+    for junk in (b"Exif\x00\x00MM\x00\x2a\x00\x00\x00\x08\xff\xff" + b"\x01" * 40, b"Exif\x00\x00" + b"\xff" * 64):
+        data = encode(img, "JPEG", exif=junk)
+        try:
+            info = probe_image(data, S)
+        except ImageError as error:
+            assert "EXIF" in str(error)
+            continue
+        pixel_values, grid = load_pixels(data, S)
+        assert grid == info.grid_thw

@@ -323,7 +323,7 @@ def test_kernel_bench_reports_every_configuration(tiny_model_dir, tmp_path, monk
     and its reference configuration really runs transformers' functions."""
     import json
 
-    from epd import kernel_bench
+    from bench import kernel_bench
 
     used = set()
     for name in _REFERENCE:

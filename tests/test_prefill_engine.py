@@ -258,10 +258,41 @@ def test_inline_embeddings_need_no_store_and_an_unreachable_store_asks_for_them(
         assert_matches_oracle(runner, case, engine.run(request, GREEDY))
         bad = case.request()
         bad.images[0].embedding = b"EPDE not really"
-        with pytest.raises(ValueError, match="inline embedding"):
+        with pytest.raises(errors.FailedPrecondition):  # a miss: the router encodes again
             engine.run(bad, GREEDY)
     finally:
         engine.stop()
+
+
+def test_an_inline_embedding_that_fails_its_checks_is_a_miss_and_never_cached(oracle, info, redis_url, runner,
+                                                                             make_engine):
+    """An inline value of the wrong shape (or one that fails its header check) is passed over for
+    the LRU and the store, and never enters the LRU, so it cannot fail a later request."""
+    from epd import errors
+    from epd.store import encode_value
+
+    engine = make_engine(embedding_cache_mb=8, prefix_cache_mb=0)
+    case = Case(oracle, info, redis_url, user("Which shape?", SQUARE), max_new_tokens=16)
+    key = case.refs[0].store_key
+    store = EmbeddingStore(redis_url)
+    (good,) = store.get_many([key])
+    store.delete([key])
+    forged_request = case.request()
+    forged_request.images[0].embedding = encode_value(key, Embedding(tensor=good.tensor[:-4].clone(),
+                                                                     grid_thw=good.grid_thw))
+    with pytest.raises(errors.FailedPrecondition):  # nowhere else to get it: the router encodes again
+        engine.run(forged_request, GREEDY)
+    assert engine.embeddings.get(key) is None and engine.embeddings.stats().num_entries == 0
+    store.put(key, good)
+    store.close()
+    for forged in (Embedding(tensor=good.tensor[:-4].clone(), grid_thw=good.grid_thw),  # a short value
+                   Embedding(tensor=torch.zeros(good.tensor.shape[0], good.tensor.shape[1] + 1), grid_thw=good.grid_thw)):
+        request = case.request()
+        request.images[0].embedding = encode_value(key, forged)
+        assert_matches_oracle(runner, case, engine.run(request, GREEDY))  # served from the store instead
+        assert tuple(engine.embeddings.get(key).shape) == tuple(good.tensor.shape)
+    stats = engine.embeddings.stats()
+    assert stats.num_entries == 1
 
 
 def test_a_cancelled_prompt_leaves_the_queue_and_stop_fails_what_waits(oracle, info, redis_url, make_engine):

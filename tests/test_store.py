@@ -1,5 +1,6 @@
 """The embedding store against a real embedded redis-server."""
 
+import json
 import os
 import struct
 import time
@@ -145,6 +146,47 @@ def test_a_value_written_for_another_key_is_refused_and_reads_as_a_miss(store):
     store.put("k:good", emb)
     got = store.get_many([mine, "k:corrupt", "k:good"])
     assert got[0] is None and got[1] is None and torch.equal(got[2].tensor, emb.tensor)
+
+
+def _forged(key: str, meta, tail: bytes = b"\x00" * 16) -> bytes:
+    """A value with a valid magic and version and whatever header JSON a forger writes."""
+    body = json.dumps(meta).encode() if not isinstance(meta, bytes) else meta
+    return struct.pack("<4sHI", MAGIC, VERSION, len(body)) + body + tail
+
+
+FORGED_HEADERS = [
+    pytest.param(["k", "float32"], id="not-an-object"),
+    pytest.param({"key": "k", "dtype": ["float32"], "shape": [2, 2], "grid_thw": [1, 2, 2]}, id="dtype-a-list"),
+    pytest.param({"key": "k", "dtype": "int64", "shape": [2, 1], "grid_thw": [1, 2, 2]}, id="dtype-unsupported"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [None, 4], "grid_thw": [1, 2, 2]}, id="shape-null"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [-2, -2], "grid_thw": [1, 2, 2]}, id="shape-negative"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [2.0, 2], "grid_thw": [1, 2, 2]}, id="shape-float"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [1 << 62, 1 << 62], "grid_thw": [1, 2, 2]},
+                 id="shape-huge"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [2, 2], "grid_thw": ["a", 2, 2]}, id="grid-text"),
+    pytest.param({"key": "k", "dtype": "float32", "shape": [2, 2], "grid_thw": [1, 2]}, id="grid-short"),
+    pytest.param({"key": ["k"], "dtype": "float32", "shape": [2, 2], "grid_thw": [1, 2, 2]}, id="key-a-list"),
+    pytest.param(b"[" * 100000 + b"]" * 100000, id="deeply-nested"),
+    pytest.param(b"\xff\xfe not json", id="not-utf8"),
+]
+
+
+@pytest.mark.parametrize("meta", FORGED_HEADERS)
+def test_a_forged_header_is_a_value_error_and_reads_as_a_miss(store, meta):
+    """Whatever a stored value's header claims, decoding refuses it with a ValueError before any
+    tensor is built from it, so the store reads it as a miss (the image is encoded again)."""
+    value = _forged("k", meta)
+    with pytest.raises(ValueError):
+        decode_value("k", value)
+    store._redis.set("k", value)
+    assert store.get_many(["k"]) == [None]
+
+
+def test_a_header_length_past_the_value_is_refused():
+    value = bytearray(encode_value("k", _embedding(torch.float32)))
+    struct.pack_into("<I", value, 6, len(value))
+    with pytest.raises(ValueError, match="ends inside its"):
+        decode_value("k", bytes(value))
 
 
 def test_an_unreachable_store_fails_fast_and_is_used_again_when_it_returns(tmp_path):

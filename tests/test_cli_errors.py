@@ -1,0 +1,148 @@
+"""Every user error of the `epd` command ends in one line and a non-zero exit, never a traceback:
+`epd <command>: error: ...` for what the command itself refuses (after argparse's usage), or the
+service's `STATUS_NAME: message`. Each case is the real command run as a subprocess, including the
+cases issue 11 lists (out-of-range numbers, an existing --out, a busy --port, Ctrl-C, --addr
+without a port, --max-model-len past the model)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import epd
+
+NO_SERVER = "127.0.0.1:9"  # the discard port: nothing answers gRPC there
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, prefix: str, *fragments: str, code: int = 2) -> str:
+    """The command failed with ``code``, printed no traceback, and its error is one line starting
+    with ``prefix`` (argparse's usage may come before it); returns that line."""
+    assert out.returncode == code, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
+    lines = out.stderr.strip().splitlines()
+    error = [line for line in lines if line.startswith(prefix)]
+    assert len(error) == 1 and error[0] == lines[-1], out.stderr
+    for fragment in fragments:
+        assert fragment in error[0], error[0]
+    return error[0]
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--seed", "-1", "argument --seed: must be in [0, 18446744073709551615], got -1"),
+    ("--max-tokens", "99999999999", "argument --max-tokens: must be in [1, 2147483647], got 99999999999"),
+    ("--top-k", "99999999999", "argument --top-k: must be in [0, 2147483647], got 99999999999"),
+    ("--max-pixels", "-5", "argument --max-pixels: must be in [1,"),
+    ("--temperature", "nan", "argument --temperature: must be in [0, 1e+06], got nan"),
+    ("--top-p", "2", "argument --top-p: must be in [0, 1], got 2"),
+    ("--max-tokens", "ten", "argument --max-tokens: expected an integer, got 'ten'"),
+])
+def test_generate_refuses_out_of_range_numbers_in_one_line(flag, value, message):
+    out = epd("generate", "--addr", NO_SERVER, "--prompt", "hi", flag, value, timeout=60)
+    assert_one_line_error(out, "epd generate: error:", message)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "127.0.0.1:", "127.0.0.1:0", "127.0.0.1:70000", ":50051"])
+def test_an_address_needs_a_port(addr):
+    out = epd("generate", "--addr", addr, "--prompt", "hi", timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "argument --addr: expected HOST:PORT")
+
+
+def test_generate_files_that_cannot_be_read_are_one_line(tmp_path):
+    out = epd("generate", "--addr", NO_SERVER, "--prompt", "hi", "--image", str(tmp_path / "missing.png"), timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "cannot read image")
+    bad = tmp_path / "chat.json"
+    bad.write_text("[{not json")
+    out = epd("generate", "--addr", NO_SERVER, "--messages", str(bad), timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "is not valid JSON")
+
+
+def test_a_failed_call_prints_the_status_name_and_message():
+    out = epd("generate", "--addr", NO_SERVER, "--prompt", "hi", "--timeout", "20", timeout=60)
+    line = assert_one_line_error(out, "UNAVAILABLE: ", code=1)
+    assert len(line) > len("UNAVAILABLE: ")
+
+
+def test_ctrl_c_on_generate_exits_quietly_with_130():
+    """A router that accepts the connection and never answers: the command is inside its call
+    when Ctrl-C arrives."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        accepted = threading.Event()
+        held = []
+
+        def accept():
+            connection, _ = listener.accept()
+            held.append(connection)
+            accepted.set()
+
+        threading.Thread(target=accept, daemon=True).start()
+        proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr",
+                                 f"127.0.0.1:{listener.getsockname()[1]}", "--prompt", "hi"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert accepted.wait(60), "epd generate never connected"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for connection in held:
+                connection.close()
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.strip() == "", stderr
+
+
+def test_model_create_refuses_a_non_empty_out_and_overwrite_replaces_it(tmp_path):
+    out_dir = tmp_path / "model"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("mine")
+    out = epd("model", "create", "--preset", "tiny", "--out", str(out_dir), timeout=120)
+    assert_one_line_error(out, "epd model create: error:", "exists and is not empty; pass --overwrite")
+    assert (out_dir / "notes.txt").exists() and not (out_dir / "config.json").exists()
+    out = epd("model", "create", "--preset", "tiny", "--out", str(out_dir), "--overwrite", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (out_dir / "config.json").is_file()
+
+
+def test_serve_refuses_a_busy_port_before_starting_ray(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = epd("serve", "--model", tiny_model_dir, "--port", str(port), timeout=120)
+    assert_one_line_error(out, "epd serve: error:", f"--port {port}: cannot listen on 127.0.0.1:{port}")
+    assert "ray at" not in out.stdout  # refused before Ray was started
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-model-len", "20000"], "router.max_model_len: 20000 is more than the model's max_position_embeddings (8192)"),
+    (["--max-images-per-request", "-1"], "router.max_images_per_request: must be in [0, 4096], got -1"),
+    (["--max-request-mb", "0"], "router.max_request_mb: must be in [1, 2047], got 0"),
+    (["--max-batch-size", "0"], "decode.max_batch_size: must be in [1, 1024], got 0"),
+    (["--redis", "http://example:6379"], "store.redis_url: must start with redis://"),
+    (["--config", "/nonexistent/roles.toml"], "deploy file /nonexistent/roles.toml"),
+    (["--encoders", "many"], "argument --encoders: invalid int value"),
+])
+def test_serve_config_errors_are_one_line(tiny_model_dir, args, message):
+    out = epd("serve", "--model", tiny_model_dir, *args, timeout=120)
+    assert_one_line_error(out, "epd serve: error:", message)
+    assert "ray at" not in out.stdout
+
+
+def test_serve_without_a_checkpoint_is_one_line(tmp_path):
+    out = epd("serve", "--model", str(tmp_path / "nothing"), timeout=120)
+    assert_one_line_error(out, "epd serve: error:", "is not a checkpoint directory")
+
+
+def test_no_command_prints_help_and_fails():
+    out = epd(timeout=60)
+    assert out.returncode == 2 and "usage: epd" in out.stdout and "Traceback" not in out.stderr
