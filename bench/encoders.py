@@ -1,6 +1,14 @@
-"""Encoder scaling benchmark: encode-bound throughput and multi-image TTFT at several replica counts.
+"""Encoder benchmarks: how encoding scales with replicas, and with the batch size of one replica.
 
     python -m bench.encoders --model DIR --replicas 1,2 --images 32 --size 448x448
+    python -m bench.encoders --model DIR --batch-sizes 1,2,4,8 --size 448x448
+
+With ``--batch-sizes`` (in process, no servers): one encoder replica's vision forward over B images
+at once, for each B; images per second and the time each image waited for its batch, so the
+smallest batch at the knee of images/s can be the default (on a compute-bound CPU a bigger batch
+does not raise images/s, and every image of a batch waits for the whole forward).
+
+Otherwise:
 
 One local stack (``epd serve``'s: local Ray, embedded Redis) with as many encoder replicas as the
 largest count, each replica limited to ``--threads`` torch threads (default 1, so N replicas use N
@@ -42,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=0, help="Encode calls in flight (0: 2 per replica)")
     parser.add_argument("--ttft-images", type=int, default=4)
     parser.add_argument("--ttft-runs", type=int, default=3)
+    parser.add_argument("--batch-sizes", default="", help="B,B,...: time one replica's forward over B images")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", dest="json_path", default="", help="write the batch-size table as JSON")
     args = parser.parse_args(argv)
+    if args.batch_sizes:
+        return _batch_sizes(args)
     counts = sorted({int(n) for n in args.replicas.split(",")}, reverse=True)
     width, height = (int(v) for v in args.size.lower().split("x"))
     seeds = itertools.count(1_000_000)
@@ -79,6 +92,46 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     _print_table(rows, args, width, height)
+    return 0
+
+
+def _batch_sizes(args) -> int:
+    """Images/s of one replica's vision forward at each batch size (in process, no servers)."""
+    import json
+
+    import torch
+
+    from encode_svc.engine import EncoderEngine
+    from epd import imaging
+    from epd.discovery import RoleContext
+    from epd.tensors import configure_threads
+
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    sizes = sorted({int(n) for n in args.batch_sizes.split(",")})
+    serve = ServeConfig(model_dir=args.model, encode=EncodeConfig(dtype=args.dtype))
+    engine = EncoderEngine(serve, RoleContext(name="encoder-bench"))
+    configure_threads(0)
+    pixels = [imaging.load_pixels(make_image(width, height, seed=n), engine.settings) for n in range(max(sizes))]
+    engine._run_vision([pixels[0][0]], [pixels[0][1]])  # warm-up (oneDNN builds its kernels)
+    rows = []
+    for batch in sizes:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            engine._run_vision([p for p, _ in pixels[:batch]], [g for _, g in pixels[:batch]])
+            times.append(time.perf_counter() - start)
+        wall = statistics.median(times)
+        rows.append({"batch": batch, "forward_s": wall, "images_per_s": batch / wall, "wait_per_image_s": wall})
+    engine.stop()
+    base = rows[0]["images_per_s"]
+    print(f"one encoder replica, {width}x{height}, {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{'batch':>5} {'forward_s':>10} {'images/s':>9} {'x batch 1':>9}")
+    for row in rows:
+        print(f"{row['batch']:>5} {row['forward_s']:>10.3f} {row['images_per_s']:>9.2f} {row['images_per_s'] / base:>9.2f}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"size": args.size, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows}, f,
+                      indent=2)
     return 0
 
 

@@ -14,7 +14,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from bench.load import LoadRunner, LoadSettings
+from bench.load import APIS, LoadRunner, LoadSettings
 from bench.metrics import (
     LATENCY_KEYS,
     Slo,
@@ -79,6 +79,11 @@ class BenchConfig:
     """Untimed requests sent to each system before its run (first-call costs are not measured)."""
     baseline_threads: int = 0
     """torch threads of the baseline; 0: torch's default (one per core)."""
+    api: str = "grpc"
+    """The front the load goes through: ``grpc`` (epd.v1.Router) or ``openai`` (the HTTP front's
+    /v1/chat/completions; with --addr, give the HTTP front's HOST:PORT)."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Sent as a bearer token when the deployment requires one (from EPD_API_KEY)."""
 
     def __post_init__(self) -> None:
         _check((self.addr is None) != (self.stack is None), "addr/model", "give exactly one of --addr and --model")
@@ -104,6 +109,7 @@ class BenchConfig:
         _check(0 <= self.baseline_threads <= 1024, "baseline_threads",
                f"must be in [0, 1024], got {self.baseline_threads}")
         _check(0 <= self.warmup <= 1000, "warmup", f"must be in [0, 1000], got {self.warmup}")
+        _check(self.api in APIS, "api", f"must be one of {APIS}, got {self.api!r}")
         for name in ("slo_ttft_s", "slo_tpot_s", "timeout_s"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"must be > 0, got {value}")
@@ -126,6 +132,7 @@ class BenchConfig:
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
+        out.pop("api_key")
         out["image_sizes"] = [str(size) for size in self.image_sizes]
         out["model_dir"], out["dtype"] = self.model_dir, self.dtype
         return out
@@ -231,12 +238,15 @@ def _run_epd(config: BenchConfig, workload: Workload):
     settings = LoadSettings(output_tokens=config.output_tokens, concurrency=config.concurrency,
                             timeout_s=config.timeout_s)
     if config.addr:
-        return LoadRunner(config.addr, settings).run(workload)
+        return LoadRunner(config.addr, settings, config.api, config.api_key).run(workload)
     from control.local import LocalStack
 
     stack = LocalStack(config.stack)
     try:
-        return LoadRunner(stack.start(), settings).run(workload)
+        address = stack.start()
+        if config.api == "openai":
+            address = stack.http_addresses()[0]
+        return LoadRunner(address, settings, config.api, config.api_key).run(workload)
     finally:
         stack.stop()
 
@@ -285,7 +295,8 @@ def format_report(report: dict) -> str:
         lines += [f"  error: {error}" for error in r["errors"]]
         return lines
 
-    lines = block("epd", report)
+    lines = block(f"epd ({report['config']['api']})" if report.get("config", {}).get("api") == "openai" else "epd",
+                  report)
     ratio = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     if "roofline" in report:
         stages = report["roofline"]["stages"]
@@ -293,9 +304,12 @@ def format_report(report: dict) -> str:
                      f"{stages['prefill_s']:.2f}, decode {stages['decode_s']:.2f}); efficiency "
                      f"{ratio(report['efficiency'])}" + (f", baseline {ratio(report['baseline']['efficiency'])}"
                                                          if "baseline" in report else ""))
-    lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
-                 f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
-                 f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
+    if report.get("config", {}).get("api") == "openai":
+        lines.append(f"  cached tokens {report['cached_tokens']} (images and stage timings: not reported over HTTP)")
+    else:
+        lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
+                     f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
+                     f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
     if "baseline" in report:
         lines += block("transformers", report["baseline"])
         lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "

@@ -39,8 +39,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every default (flags whose default lives in a config dataclass say it in their help)."""
 
     def _get_help_string(self, action):
-        if action.default is argparse.SUPPRESS or "(default:" in (action.help or ""):
+        if action.default is argparse.SUPPRESS or "(default:" in (action.help or "") or action.required:
             return action.help
+        if action.default in (None, []):
+            return f"{action.help or ''} (default: none)".strip()
         return super()._get_help_string(action)
 
 
@@ -64,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     flags.add_flags(serve, flags.SERVE)
     flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
-    serve.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_log_flags(serve)
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     deploy = command("deploy", help="place every role on a running Ray cluster by Ray resources")
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
+    _add_log_flags(deploy)
     deploy.set_defaults(func=_cmd_deploy, parser=deploy)
 
     scale = command("scale", help="change a role's replica count on a running deployment")
@@ -103,32 +106,69 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_log_flags(parser: argparse.ArgumentParser) -> None:
+    from epd import logs
+
+    parser.add_argument("--log-level", default="INFO", choices=list(logs.LEVELS),
+                        help="least severe events logged, by this command and by every role")
+    parser.add_argument("--log-format", default="text", choices=list(logs.FORMATS),
+                        help="text: one line per event naming the role and request; json: one JSON object per "
+                             "line (ts, level, role, request_id, logger, message) for log shippers")
+
+
+def _setup_logging(args) -> None:
+    """This process's logging, and (through the environment Ray passes on) every role's."""
+    from epd import logs
+
+    os.environ[logs.FORMAT_ENV], os.environ[logs.LEVEL_ENV] = args.log_format, args.log_level
+    logs.configure(args.log_level, args.log_format, role="epd")
+
+
 def _add_generate_parser(command) -> None:
+    from epd.config import RouterConfig
+
     gen = command("generate", help="send one request to a running router and stream the answer")
     gen.add_argument("--addr", required=True, type=_address, help="router HOST:PORT")
     what = gen.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="one user turn (with --image files)")
+    what.add_argument("--prompt", metavar="TEXT", help="one user turn (with --image files)")
     what.add_argument("--messages", metavar="FILE.json",
                       help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
-                           '{"type": "image", "image": PATH}]}], image paths relative to the file')
+                           '{"type": "image", "image"|"path": PATH}, {"type": "image_url", "image_url": {"url": '
+                           '"data:image/png;base64,..." | PATH}}]}], paths relative to the file')
     gen.add_argument("--image", action="append", default=[], metavar="PATH", help="image file (repeatable)")
-    gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None,
-                     help="tokens to generate at most (none: the server's default)")
-    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, help="0 or none: greedy")
-    gen.add_argument("--top-p", type=_float_in(0, 1), default=None, help="nucleus sampling mass, (0, 1]")
-    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, help="0 or none: off")
-    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None,
-                     help="sampling seed (none with --temperature > 0: the server picks one)")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None,
-                     help="lower the per-image pixel cap for this request (none: the model's)")
-    gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, help="seconds before giving up (none: no limit)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with the result as the last line")
+    router = RouterConfig()
+    gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None, metavar="N",
+                     help=f"tokens to generate at most (default: the server's, {router.default_max_tokens} unless it "
+                          f"was started with --default-max-tokens; at most {router.max_tokens_limit})")
+    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, metavar="X",
+                     help="sampling temperature; 0: greedy (default: 0)")
+    gen.add_argument("--top-p", type=_float_in(0, 1), default=None, metavar="X",
+                     help="nucleus sampling mass, (0, 1] (default: 1, off)")
+    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, metavar="N",
+                     help="sample from the N most likely tokens; 0: off (default: 0)")
+    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, metavar="N",
+                     help="sampling seed (default: with --temperature > 0 the server picks one and reports it)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop string, repeatable; the answer ends before it (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token (default: off)")
+    gen.add_argument("--logprobs", type=_int_in(0, 20), default=0, metavar="N",
+                     help="also return the N most likely tokens at each step with their log-probabilities, in the "
+                          "--json line; 0: none (default: 0)")
+    gen.add_argument("--enable-thinking", action="store_true",
+                     help="render the chat template with thinking on (default: off)")
+    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None, metavar="N",
+                     help="lower the per-image pixel cap for this request (default: the model's, from its "
+                          "preprocessor_config.json)")
+    gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, metavar="S",
+                     help="seconds before giving up (default: no limit)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with the result as the last line (default: off)")
     gen.add_argument("--api-key", default=None, metavar="KEY",
                      help="sent as `authorization: Bearer KEY` (default: EPD_API_KEY when set)")
     gen.add_argument("--tls-ca", default=None, metavar="PEM",
-                     help="connect with TLS, trusting this CA (or the server's self-signed certificate)")
+                     help="connect with TLS, trusting this CA (or the server's self-signed certificate) (default: "
+                          "plaintext)")
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
 
@@ -176,6 +216,9 @@ def _add_bench_parser(command) -> None:
                        help="per-request deadline")
     bench.add_argument("--warmup", type=_int_in(0, 1000), default=1, metavar="N",
                        help="untimed requests sent to each system before its run")
+    bench.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                       help="the front to load: grpc (epd.v1.Router) or openai (the HTTP front's /v1/chat/completions; "
+                            "with --addr give its HOST:PORT, with --model the stack gets one)")
     stack = bench.add_argument_group("the local stack (with --model)")
     flags.add_flags(stack, flags.BENCH_STACK)
     stack.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
@@ -266,15 +309,17 @@ def _cmd_bench(args) -> int:
     try:
         stack = None
         if args.model:
-            stack = flags.with_secrets(
-                flags.deploy_config(args, flags.BENCH_STACK, args.config, serve__model_dir=args.model), args, {})
+            http = {"serve__http__port": 0} if args.api == "openai" else {}
+            stack = flags.with_secrets(flags.deploy_config(args, flags.BENCH_STACK, args.config,
+                                                           serve__model_dir=args.model, **http), args, {})
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
             prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, repeat_ratio=args.repeat_ratio,
             turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
-            warmup=args.warmup, baseline_threads=args.baseline_threads,
+            warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
+            api_key=os.environ.get("EPD_API_KEY") or None,
         )
     except ConfigError as error:
         args.parser.error(str(error))
@@ -322,19 +367,23 @@ def _cmd_serve(args) -> int:
     from control.local import LocalStack, wait_forever
     from epd.config import ConfigError
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _setup_logging(args)
     try:
         config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
-    busy = _port_in_use(config.serve.router.host, config.serve.router.port)
-    if busy:
-        args.parser.error(f"--port {config.serve.router.port}: {busy}")
+    for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
+        busy = _port_in_use(config.serve.router.host, port or 0)
+        if busy:
+            args.parser.error(f"{option} {port}: {busy}")
     _raise_on_sigterm()
     stack = LocalStack(config)
     try:
         address = stack.start()
         print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        scheme = "https" if config.serve.security.tls_cert else "http"
+        for http in stack.http_addresses():
+            print(f"epd http at {scheme}://{http}/v1", flush=True)
         print(f"epd ready at {address}", flush=True)
         wait_forever()
     except KeyboardInterrupt:
@@ -394,13 +443,16 @@ def _cmd_deploy(args) -> int:
                                     os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    _setup_logging(args)
     _ray_env(args.address)
     import ray
 
     from control import controller
+    from epd import logs
 
     ray.init(address=args.address, namespace=config.namespace, logging_level=logging.WARNING,
-             configure_logging=False, log_to_driver=False)
+             configure_logging=False, log_to_driver=False,
+             runtime_env=logs.runtime_env(args.log_format, args.log_level))
     try:
         try:
             ray.get_actor(controller.CONTROLLER_NAME, namespace=config.namespace)
@@ -411,6 +463,9 @@ def _cmd_deploy(args) -> int:
             pass
         handle = controller.create_controller(config, detached=True)
         status = ray.get(handle.status.remote())
+        scheme = "https" if config.serve.security.tls_cert else "http"
+        for http in ray.get(handle.http_addresses.remote()):
+            print(f"epd http at {scheme}://{http}/v1", flush=True)
         for address in ray.get(handle.router_addresses.remote()):
             print(f"epd ready at {address}", flush=True)
         print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
@@ -472,7 +527,9 @@ def _cmd_status(args) -> int:
         print(f"{role}: {len(replicas)} of {status['desired'][role]}" + (f" ({life})" if life else ""))
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
-            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}")
+            http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
+            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}"
+                  f"{http}")
     for entry in status.get("unplaced", []):
         print(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
               f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
@@ -524,6 +581,7 @@ def _cmd_generate(args) -> int:
     request = client.chat_request(
         messages, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs, enable_thinking=args.enable_thinking,
     )
     on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
     try:

@@ -29,6 +29,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import ray
 from grpc_health.v1 import health_pb2
@@ -74,6 +75,7 @@ class Controller:
         self._internal = rpc.internal_transport(config.serve.security)  # how the probes reach internal servers
         self.decisions: list[dict] = []
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
+        self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
         self._adopt()
         self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
@@ -97,7 +99,9 @@ class Controller:
 
     def drain_routers(self, timeout_s: float | None = None) -> dict:
         """Graceful shutdown's first step: every router stops taking requests and finishes (or,
-        after ``timeout_s``, by default the deployment's ``drain_timeout_s``, cuts) the ones it carries."""
+        after ``timeout_s``, by default the deployment's ``drain_timeout_s``, cuts) the ones it carries.
+        Reconciling and autoscaling stop first: a router that says NOT_SERVING now is leaving, not failing."""
+        self._stop.set()
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             routers = [h for n, h in self._handles.items() if n.startswith("router-")]
@@ -123,7 +127,15 @@ class Controller:
     # ------------------------------------------------------------ queries
 
     def router_addresses(self) -> list[str]:
-        return [e.address for e in self._endpoints() if e.role == "router" and e.takes_work]
+        """The serving routers' gRPC addresses, oldest first (the first holds the configured ports)."""
+        return [e.address for e in self._routers()]
+
+    def http_addresses(self) -> list[str]:
+        """The routers' OpenAI-compatible HTTP fronts (none unless the deployment has ``--http-port``)."""
+        return [e.http_address for e in self._routers() if e.http_address]
+
+    def _routers(self) -> list[discovery.Endpoint]:
+        return sorted((e for e in self._endpoints() if e.role == "router" and e.takes_work), key=lambda e: _seq_of(e.name))
 
     def status(self) -> dict:
         """Replicas per role (name, address, node, health), their life events, autoscaling."""
@@ -139,6 +151,7 @@ class Controller:
             roles[replica.role].append({
                 "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
                 "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
+                "http_address": e.http_address if e else "",
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "state": "unplaced" if replica.name in waiting else _state(replica)})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
@@ -207,7 +220,21 @@ class Controller:
                    "scheduling_strategy": "SPREAD"}
         context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
                                         poll_s=cfg.poll_s)
-        return ray.remote(cls).options(**options).remote(cfg.serve, context)
+        serve = self._router_serve(name) if role == "router" else cfg.serve
+        return ray.remote(cls).options(**options).remote(serve, context)
+
+    def _router_serve(self, name: str):
+        """The config router ``name`` runs with: the configured gRPC, HTTP and metrics ports go to one
+        router at a time (the first, or the one that replaces it); every other router takes free gRPC
+        and HTTP ports and serves its metrics on its HTTP front's /metrics only."""
+        serve = self.config.serve
+        if not serve.router.port and not serve.http.port and not serve.router.metrics_port:
+            return serve
+        if self._fixed_ports_holder not in self._handles:  # nobody holds them (never, or it died)
+            self._fixed_ports_holder = name
+            return serve
+        http = replace(serve.http, port=0) if serve.http.port is not None else serve.http
+        return replace(serve, router=replace(serve.router, port=0, metrics_port=0), http=http)
 
     def _bind_host(self, role: str) -> str:
         """Loopback on one machine; the node's IP on a cluster (roles on other nodes must reach
@@ -275,6 +302,13 @@ class Controller:
             if match:
                 found[match.group(1)].append(name)
         seq = 0
+        ports = {str(self.config.serve.router.port or ""), str(self.config.serve.http.port or "")} - {""}
+        if found["router"] and ports:
+            try:
+                self._fixed_ports_holder = next((e.name for e in self._endpoints() if e.role == "router" and (
+                    e.address.rsplit(":", 1)[-1] in ports or e.http_address.rsplit(":", 1)[-1] in ports)), "")
+            except Exception:  # noqa: BLE001 - the registry is restarting too: a later router may double up
+                pass
         for role, names in found.items():
             for name in names:
                 try:

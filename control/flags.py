@@ -92,12 +92,22 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )
-SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK, *SECURITY)
+HTTP = (  # the OpenAI-compatible HTTP front of each router
+    _flag("--http-port", "serve.http.port"),
+    _flag("--served-model-name", "serve.http.served_model_name"),
+    _flag("--allow-media-urls", "serve.http.allow_media_urls"),
+    _flag("--allowed-media-domains", "serve.http.allowed_media_domains", metavar="HOST,..."),
+    _flag("--allowed-local-media-path", "serve.http.allowed_local_media_path", metavar="DIR"),
+    _flag("--media-fetch-timeout-s", "serve.http.media_fetch_timeout_s"),
+    _flag("--media-max-mb", "serve.http.media_max_mb"),
+    _flag("--media-max-redirects", "serve.http.media_max_redirects"),
+)
+SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),
     _flag("--router-port", "serve.router.port"), _flag("--namespace", "namespace"),
-    _flag("--metrics-port", "metrics_port"), *STACK, *SECURITY,
+    _flag("--metrics-port", "metrics_port"), *STACK, *SECURITY, *HTTP,
 )
 BENCH_STACK = (REDIS, *STACK)  # `epd bench --model DIR`: its own --model is the checkpoint
 
@@ -148,7 +158,8 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
         text = flag.help or field_docs(cls).get(name, "")
         if not flag.required:
             default = field_default(cls, name)
-            text += f" (default: {'none' if default is None else default})"
+            shown = "none" if default in (None, (), "") else "off" if default is False else default
+            text += f" (default: {shown})"
         parser.add_argument(flag.option, help=text.replace("%", "%%"), **options)
 
 
@@ -198,10 +209,17 @@ def _field(path: str) -> tuple[type, str]:
     return cls, leaf
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,c`` -> ("a", "b", "c"), blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _type(cls: type, name: str):
     kind = typing.get_type_hints(cls)[name]
     if kind in (int, float, str, bool):
         return kind
+    if typing.get_origin(kind) is tuple and typing.get_args(kind) == (str, ...):
+        return _comma_list
     if typing.get_origin(kind) in (typing.Union, types.UnionType):  # ``str | None``
         return next(arg for arg in typing.get_args(kind) if arg is not type(None))
     raise TypeError(f"{cls.__name__}.{name}: no command-line type for {kind}")

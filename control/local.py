@@ -15,11 +15,13 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import replace
 
+from epd import logs
 from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
@@ -55,6 +57,7 @@ class LocalStack:
         # prefill, 3000 spins cost ~10% alone against ~30% for no spin (OMP_WAIT_POLICY=PASSIVE)
         # and match it under contention. Role processes inherit it from the raylet this starts.
         os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+        quiet_ray_output()
         from control.controller import create_controller
 
         try:
@@ -73,6 +76,12 @@ class LocalStack:
         import ray
 
         return ray.get(self.controller.router_addresses.remote())
+
+    def http_addresses(self) -> list[str]:
+        """The routers' OpenAI-compatible HTTP fronts (empty without ``--http-port``)."""
+        import ray
+
+        return ray.get(self.controller.http_addresses.remote())
 
     def redis_pid(self) -> int:
         """The embedded redis-server's process id (0 with an external Redis)."""
@@ -106,7 +115,8 @@ class LocalStack:
         # stack; the caller's own handling (epd serve drains first) must stay in force.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
-                 configure_logging=False)
+                 configure_logging=False, runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),
+                                                                       os.environ.get(logs.LEVEL_ENV, "INFO")))
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -129,6 +139,7 @@ class LocalStack:
                 except Exception as error:  # noqa: BLE001 - stop regardless
                     log.warning("drain failed: %s", error)
                 drained["drain_s"] = round(time.monotonic() - started, 2)
+                _mute_worker_output_at_exit()
                 stop_controller(self.controller)
                 self.controller = None
             if self.redis_keeper is not None:
@@ -143,6 +154,33 @@ class LocalStack:
             shutil.rmtree(self._redis_dir, ignore_errors=True)
             self._redis_dir = ""
         return drained
+
+
+def quiet_ray_output() -> None:
+    """Before Ray starts: what it prints on our terminal (or into the file our output goes to) says
+    only what an operator needs. Each is Ray's own switch; a value the user set wins."""
+    # Ray colours the "(Actor pid=N)" prefix of forwarded lines; not when the output is a file or a pipe.
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    # JSON lines must stay JSON: no prefix at all (each line names its role itself).
+    if os.environ.get(logs.FORMAT_ENV) == "json":
+        os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    # Token auth on, as Ray's default for a new local cluster, without its banner saying so.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # A stack trace of the driver on SIGTERM, which is how `epd serve` is asked to stop.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
+def _mute_worker_output_at_exit() -> None:
+    """Stopping kills the role processes on purpose; Ray's forwarded "worker died" notices about
+    them would say otherwise. What the roles said while draining is let through first."""
+    time.sleep(1.0)  # Ray's log monitor forwards what the drain logged within about a second
+    try:
+        from ray._private import worker
+
+        worker.global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")
+    except Exception:  # noqa: BLE001 - another Ray version: the notices stay, nothing else changes
+        pass
 
 
 def wait_forever() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from epd import rpc
+from epd import dataurl, rpc
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 
@@ -38,17 +39,20 @@ class GenerateResult:
             "images_cached": s.images_cached,
             "resumes": s.resumes,
             "timings": {field.name: getattr(s.timings, field.name) for field in s.timings.DESCRIPTOR.fields},
+            **({"logprobs": [{"logprob": entry.logprob, "top": [[alt.token_id, alt.logprob] for alt in entry.top]}
+                             for entry in self.logprobs]} if self.logprobs else {}),
         }
 
 
 def user_request(prompt: str, images: Sequence[bytes] = (), *, max_pixels: int | None = None,
-                 **sampling) -> epd_pb2.GenerateRequest:
+                 enable_thinking: bool = False, **sampling) -> epd_pb2.GenerateRequest:
     """One user turn: the images first, then the text (the chapter's layout)."""
     content = [epd_pb2.ContentPart(image=data) for data in images]
     content.append(epd_pb2.ContentPart(text=prompt))
     request = epd_pb2.GenerateRequest(
         messages=[epd_pb2.ChatMessage(role="user", content=content)],
         sampling=epd_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        enable_thinking=enable_thinking,
     )
     if max_pixels is not None:
         request.max_pixels = max_pixels
@@ -56,11 +60,12 @@ def user_request(prompt: str, images: Sequence[bytes] = (), *, max_pixels: int |
 
 
 def chat_request(messages: Sequence[epd_pb2.ChatMessage], *, max_pixels: int | None = None,
-                 **sampling) -> epd_pb2.GenerateRequest:
+                 enable_thinking: bool = False, **sampling) -> epd_pb2.GenerateRequest:
     """A whole conversation (see ``messages_from_json``)."""
     request = epd_pb2.GenerateRequest(
         messages=list(messages),
         sampling=epd_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        enable_thinking=enable_thinking,
     )
     if max_pixels is not None:
         request.max_pixels = max_pixels
@@ -69,8 +74,10 @@ def chat_request(messages: Sequence[epd_pb2.ChatMessage], *, max_pixels: int | N
 
 def messages_from_json(messages: object, base_dir: str) -> list[epd_pb2.ChatMessage]:
     """The usual chat format -> ChatMessages: a list of ``{"role", "content"}`` where content is a
-    string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": PATH}``
-    parts; image paths are read relative to ``base_dir``. Raises ValueError naming the problem."""
+    string or a list of parts: ``{"type": "text", "text": ...}``, ``{"type": "image", "image"|"path":
+    PATH}`` (transformers' chat-template form) or OpenAI's ``{"type": "image_url", "image_url": {"url":
+    URL}}`` with a ``data:`` URL, a ``file://`` URL or a file path. Paths are read relative to
+    ``base_dir``. Raises ValueError naming the problem."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty JSON list of {role, content} objects")
     out = []
@@ -88,18 +95,47 @@ def messages_from_json(messages: object, base_dir: str) -> list[epd_pb2.ChatMess
     return out
 
 
+_PART_FORMS = ('{"type": "text", "text": STR}, {"type": "image", "image": PATH} (or "path": PATH), or '
+               '{"type": "image_url", "image_url": {"url": "data:image/png;base64,..." | PATH}}')
+
+
 def _part_from_json(part: object, where: str, base_dir: str) -> epd_pb2.ContentPart:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return epd_pb2.ContentPart(text=part["text"])
-    if kind == "image" and isinstance(part.get("image"), str):
-        path = os.path.join(base_dir, part["image"])
+    if kind == "image":
+        path = part.get("image", part.get("path"))
+        if isinstance(path, str):
+            return epd_pb2.ContentPart(image=_read_image(os.path.join(base_dir, path), where))
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if isinstance(url, str) and url:
+            return epd_pb2.ContentPart(image=_image_from_url(url, where, base_dir))
+    raise ValueError(f"{where} must be {_PART_FORMS}")
+
+
+def _image_from_url(url: str, where: str, base_dir: str) -> bytes:
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
         try:
-            with open(path, "rb") as f:
-                return epd_pb2.ContentPart(image=f.read())
-        except OSError as error:
-            raise ValueError(f"{where}: cannot read image {path}: {error.strerror}") from None
-    raise ValueError(f'{where} must be {{"type": "text", "text": STR}} or {{"type": "image", "image": PATH}}')
+            return dataurl.decode_data_url(url)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    if scheme == "file":
+        return _read_image(urllib.parse.unquote(urllib.parse.urlsplit(url).path), where)
+    if scheme in ("http", "https"):
+        raise ValueError(f"{where}: this client does not fetch URLs; download the image and name its path, or "
+                         "send it to the HTTP front, which can fetch URLs when its operator allows it")
+    return _read_image(os.path.join(base_dir, url), where)
+
+
+def _read_image(path: str, where: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"{where}: cannot read image {path}: {error.strerror}") from None
 
 
 def read_ca(path: str | None) -> bytes | None:

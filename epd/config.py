@@ -192,6 +192,58 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP front each router replica serves beside its gRPC service."""
+
+    port: int | None = None
+    """Port of the first router's OpenAI-compatible HTTP front (other routers take a free port); 0: a free
+    port; none: no HTTP front."""
+    served_model_name: str = ""
+    """The model name the HTTP front answers to (GET /v1/models, the request's model); empty: the
+    checkpoint directory's name."""
+    allow_media_urls: bool = False
+    """Let requests name images by http(s) URL, fetched by the router; off: data: URLs (and local files
+    under allowed_local_media_path) only."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Hosts image URLs may name (exact names or IP literals, comma-separated); when set, no other host is
+    fetched and these may resolve to private, loopback or link-local addresses, which are otherwise refused."""
+    allowed_local_media_path: str = ""
+    """Directory whose files requests may name as file:// image URLs (never outside it: no .., no symlink
+    escape); empty: local files are refused."""
+    media_fetch_timeout_s: float = 10.0
+    """Seconds one image URL may take to fetch, redirects included."""
+    media_max_mb: float = 20.0
+    """Largest image an http(s) URL or a local file may bring, in MiB."""
+    media_max_redirects: int = 3
+    """Redirects followed per image URL (each hop is checked like the first)."""
+
+    def __post_init__(self) -> None:
+        _check(self.port is None or 0 <= self.port <= 65535, "http.port", f"must be in [0, 65535], got {self.port}")
+        _check(self.served_model_name == "" or (self.served_model_name.isprintable() and
+                                                len(self.served_model_name) <= 256),
+               "http.served_model_name", "must be printable and at most 256 characters")
+        _check_range(self.media_fetch_timeout_s, 0.1, 600, "http.media_fetch_timeout_s")
+        _check_range(self.media_max_mb, 0.001, 1024, "http.media_max_mb")
+        _check_range(self.media_max_redirects, 0, 20, "http.media_max_redirects")
+        for host in self.allowed_media_domains:
+            _check(_is_ip(host) or (bool(host) and all(c.isalnum() or c in "-._" for c in host)),
+                   "http.allowed_media_domains", f"expected host names or IP addresses (no port), got {host!r}")
+        if self.allowed_local_media_path:
+            _check(os.path.isdir(self.allowed_local_media_path), "http.allowed_local_media_path",
+                   f"{self.allowed_local_media_path!r} is not a directory")
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     """Who may call what. Secrets are never printed: repr hides them and nothing logs them."""
 
@@ -241,6 +293,7 @@ class ServeConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         path = os.path.join(self.model_dir, "config.json")

@@ -95,6 +95,8 @@ class Endpoint:
     """Being removed: it finishes what it holds but takes no new work."""
     healthy: bool = True
     """False while the controller's probes fail."""
+    http_address: str = ""
+    """``host:port`` of its OpenAI-compatible HTTP front (routers started with one); empty: none."""
 
     @property
     def takes_work(self) -> bool:
@@ -191,13 +193,14 @@ class Membership:
     """A replica's own entry in the registry: registered now, then again every ``HEARTBEAT_S``
     (which refills a registry that Ray restarted)."""
 
-    def __init__(self, context: RoleContext, address: str = "", handle: object = None) -> None:
+    def __init__(self, context: RoleContext, address: str = "", handle: object = None,
+                 http_address: str = "") -> None:
         import ray
 
         self.registry = context.registry
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
-                                 incarnation=uuid.uuid4().hex, pid=os.getpid())
+                                 incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address)
         ray.get(self.registry.register.remote(self.endpoint), timeout=60)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership", daemon=True)

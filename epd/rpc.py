@@ -216,11 +216,12 @@ class InFlightCounter(grpc.aio.ServerInterceptor):
 
 
 class RequireToken(grpc.aio.ServerInterceptor):
-    """Refuses every call (health and reflection aside) that does not carry ``value`` in the
-    metadata ``key`` with UNAUTHENTICATED. The public fronts check ``authorization: Bearer KEY``;
-    internal services the deployment's token. Compared in constant time; never logged."""
+    """Refuses every call (health checks aside) that does not carry ``value`` in the metadata
+    ``key`` with UNAUTHENTICATED. The public fronts check ``authorization: Bearer KEY`` (server
+    reflection included: it follows the API's rules); internal services the deployment's token.
+    Compared in constant time; never logged."""
 
-    OPEN = ("/grpc.health.", "/grpc.reflection.")
+    OPEN = ("/grpc.health.",)
 
     def __init__(self, key: str, value: str, what: str) -> None:
         self.key, self.value, self.what = key, value.encode(), what

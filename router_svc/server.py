@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 
-from epd import discovery, rpc
+from epd import discovery, logs, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.metrics import serve_metrics
@@ -22,18 +23,21 @@ from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from router_svc.core import RouterCore
 from router_svc.prompt import PromptBuilder
+from router_svc.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
 
 class RouterServicer(epd_pb2_grpc.RouterServicer):
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, stats: RequestStats | None = None) -> None:
         self.core = core
+        self.stats = stats or RequestStats()
         self.num_cut = 0  # streams still running when a shutdown's drain ran out of time
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        logs.REQUEST_ID.set(request.request_id or uuid.uuid4().hex)  # every line logged for it names it
         try:
-            async for event in self.core.generate(request, context.time_remaining()):
+            async for event in self.stats.track("grpc", self.core.generate(request, context.time_remaining())):
                 yield event
         except asyncio.CancelledError:
             if self.core.refusing:  # cut by the drain timeout, not by the client: say so, retryably
@@ -44,6 +48,17 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
             raise
         except Exception as error:  # noqa: BLE001 - every error leaves as a status
             await rpc.abort(context, error, "Generate")
+
+
+def _add_reflection(servicer, server) -> None:
+    """gRPC server reflection (``grpcurl list``), naming the public service only."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection(["epd.v1.Router", reflection.SERVICE_NAME], server)
+
+
+# Served beside the Router (before the server starts); its name is registered with health too, harmlessly.
+_REFLECTION = (_add_reflection, None, "grpc.reflection.v1alpha.ServerReflection")
 
 
 class RouterServer(rpc.RoleServer):
@@ -64,12 +79,32 @@ class RouterServer(rpc.RoleServer):
         self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
                                                  context.poll_s)]
         self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders)
-        self.servicer = RouterServicer(self.core)
-        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router")], context.host,
-                    rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
+        self.stats = RequestStats()
+        self.servicer = RouterServicer(self.core, self.stats)
+        self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"), _REFLECTION],
+                    context.host, rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
                     what="an API key (authorization: Bearer KEY)", max_receive_bytes=config.max_request_mb << 20)
-        self._metrics = serve_metrics(self.core.metrics, self.host, config.metrics_port)
-        self.membership = Membership(context, address=self.address())
+        self.http = None
+        if serve.http.port is not None:
+            from router_svc.http import HttpFront, default_model_name
+
+            self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
+                serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics,
+                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb)
+            self.events.run(self.http.start(self.host, serve.http.port))
+        self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
+        self.membership = Membership(context, address=self.address(), http_address=self.http_address())
+
+    def in_flight(self) -> int:
+        """gRPC calls and HTTP requests still running: a router being drained exits at zero."""
+        return super().in_flight() + self.stats.running("http")
+
+    def _read_metrics(self) -> list:
+        return [*self.core.metrics(), *self.stats.families()]
+
+    def http_address(self) -> str:
+        """``host:port`` of the OpenAI-compatible HTTP front; empty when it has none."""
+        return f"{self.host}:{self.http.port}" if self.http is not None else ""
 
     def drain(self, timeout_s: float) -> dict[str, int]:
         """Shut down gracefully: NOT_SERVING, new requests refused with UNAVAILABLE, the requests in
@@ -98,6 +133,8 @@ class RouterServer(rpc.RoleServer):
         self.membership.close()
         for watched in (*self._targets, *self._watches):
             watched.close()
+        if self.http is not None:
+            self.events.run(self.http.stop(), timeout=grace_s + 15)
         super().stop(grace_s)
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -77,7 +77,7 @@ def secured(tiny_model_dir, tmp_path_factory):
         tiny_model_dir, "--api-key-file", str(key_file), "--internal-token-file", str(token_file),
         "--tls-cert", files["public-cert.pem"], "--tls-key", files["public-key.pem"],
         "--internal-tls-ca", files["internal-ca.pem"], "--internal-tls-cert", files["internal-cert.pem"],
-        "--internal-tls-key", files["internal-key.pem"], "--log-level", "INFO",
+        "--internal-tls-key", files["internal-key.pem"], "--log-level", "INFO", "--http-port", "0",
         log_path=str(directory / "serve.log"))
     yield server, files
     assert server.stop() == [], "epd serve left processes behind"
@@ -152,3 +152,47 @@ def test_secrets_never_reach_the_log(secured):
     text = open(server.log.name).read()  # the stderr of epd serve and of every role
     assert API_KEY not in text and TOKEN not in text
     assert "router" in text  # the log is not empty: the check above means something
+
+
+def _reflect(channel, metadata=None) -> list[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=30)
+    return [service.name for reply in replies for service in reply.list_services_response.service]
+
+
+def test_the_http_front_and_reflection_want_tls_and_the_key(secured):
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    server, files = secured
+    http = next(line.split("https://", 1)[1].strip().removesuffix("/v1") for line in server.lines
+                if line.startswith("epd http at https://"))
+    context = ssl.create_default_context(cafile=files["public-ca.pem"])
+
+    def get(path: str, key: str | None = None, scheme: str = "https"):
+        request = urllib.request.Request(f"{scheme}://{http}{path}",
+                                         headers={"authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context if scheme == "https" else None) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    assert get("/health") == (200, {"status": "ok"})  # open, as gRPC health is
+    status, body = get("/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert get("/v1/models", "not-the-key-000")[0] == 401
+    status, body = get("/v1/models", API_KEY)
+    assert status == 200 and len(body["data"]) == 1
+    with pytest.raises(OSError):  # URLError or a dropped connection: the port speaks TLS only
+        get("/health", scheme="http")
+    credentials = grpc.ssl_channel_credentials(open(files["public-ca.pem"], "rb").read())
+    with grpc.secure_channel(server.address, credentials) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            _reflect(channel)
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "epd.v1.Router" in _reflect(channel, (("authorization", f"Bearer {API_KEY}"),))

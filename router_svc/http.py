@@ -1,0 +1,613 @@
+"""The OpenAI-compatible HTTP front of a router replica: ``POST /v1/chat/completions`` (plain and
+streamed as server-sent events), ``GET /v1/models``, ``GET /health``.
+
+It runs in the router's own process, on the router's event loop (uvicorn's ``Server.serve`` as a
+task beside the gRPC server), and calls the same ``RouterCore.generate`` the gRPC front calls: no
+extra hop, the same validation, the same messages. What the request path raises maps to an HTTP
+status once (``http_status``): bad input 400, unknown model 404, body too large 413, refused for
+load 429, unavailable 503, past its deadline 504; the body is OpenAI's error shape. A request is
+checked whole before anything is sent: fields this server does not implement are refused by name
+(400), never ignored. A client that goes away cancels its request (the generate task is
+cancelled, which frees its decode slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from epd import logs, rpc
+from epd.config import HttpConfig
+from epd.metrics import render
+from epd.v1 import epd_pb2
+from router_svc.core import RouterCore
+from router_svc.media import MediaError, MediaLoader
+from router_svc.stats import RequestStats
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+# Fields of OpenAI's chat completion request this server implements (None counts as absent).
+SUPPORTED = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
+    "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
+}
+# Accepted only at the value that means "off" (some clients always send them).
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+# The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
+STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+class HttpError(Exception):
+    """A request refused with ``status`` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"retry-after": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def http_error(error: BaseException) -> HttpError:
+    """What an error of the request path becomes at the HTTP front (the gRPC front's mapping, then HTTP's)."""
+    if isinstance(error, HttpError):
+        return error
+    code, message = rpc.status_of(error)
+    status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+    return HttpError(status, message, kind, code=code.name.lower())
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """What shapes the response rather than the generation."""
+
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    token_ids: bool = False
+
+
+class HttpFront:
+    def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
+                 healthy: Callable[[], bool], stats: RequestStats,
+                 metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "",
+                 max_request_mb: int = 64) -> None:
+        self.core, self.config, self.model_name = core, config, model_name
+        self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
+        self.read_metrics = metrics
+        self._api_key = api_key.encode()
+        self.healthy, self.stats = healthy, stats
+        self.media = MediaLoader(config)
+        self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+        self.server = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------ lifecycle (on the router's loop)
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind ``host:port`` (0: a free port) and serve; returns the port."""
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            sock.close()
+            raise OSError(f"cannot bind the HTTP front to {host}:{port}: {error.strerror}") from None
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
+                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024, **tls)
+        self.server = uvicorn.Server(config)
+        self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise OSError("the HTTP front stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server is not None and self._task is not None:
+            self.server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), 10)
+            except Exception:  # noqa: BLE001 - stopping regardless
+                self.server.force_exit = True
+
+    # ------------------------------------------------------------ endpoints
+
+    async def health(self, request: Request) -> Response:
+        """The same truth as gRPC health: every role this router calls has a replica, and it is not shutting down."""
+        if self.healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """This router's Prometheus metrics (the same as --router-metrics-port serves), as vLLM serves them."""
+        if self.read_metrics is None:
+            return HttpError(404, "no metrics here", "not_found_error").response()
+        body, content_type = await asyncio.get_running_loop().run_in_executor(None, render, self.read_metrics)
+        return Response(body, media_type=content_type)
+
+    async def models(self, request: Request) -> Response:
+        refused = self._unauthorized(request)
+        if refused:
+            return refused.response()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        refused = self._unauthorized(request)
+        if refused:
+            return refused.response()
+        if request.path_params["model"] != self.model_name:
+            return self._unknown_model(request.path_params["model"]).response()
+        return JSONResponse(self._model_card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logs.REQUEST_ID.set(request_id)
+        try:
+            refused = self._unauthorized(request)
+            if refused:
+                raise refused
+            body = await self._read_json(request)
+            proto, options = await self.build_request(body, request_id)
+        except ClientDisconnect:  # gone before its request was whole: nothing to answer
+            return Response(status_code=499)
+        except Exception as error:  # noqa: BLE001 - every refusal leaves in OpenAI's shape
+            failure = http_error(error)
+            if failure.status >= 500:
+                log.warning("http request %s: %s", request_id, failure.message)
+            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
+            return failure.response()
+        return _ChatCall(self, proto, options, request_id)
+
+    async def _not_found(self, request: Request, exc) -> Response:
+        return HttpError(404, f"no route {request.method} {request.url.path}", "not_found_error").response()
+
+    async def _not_allowed(self, request: Request, exc) -> Response:
+        return HttpError(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error"
+                         ).response()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "epd",
+                "max_model_len": self.core.max_model_len}
+
+    def _unknown_model(self, name: str) -> HttpError:
+        return HttpError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                         "invalid_request_error", "model", "model_not_found")
+
+    def _unauthorized(self, request: Request) -> HttpError | None:
+        if not self._api_key:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._api_key):
+            return None
+        # Never echo what was sent: it may be a real key meant for somewhere else.
+        return HttpError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
+                         code="invalid_api_key")
+
+    async def _read_json(self, request: Request) -> dict:
+        length = request.headers.get("content-length", "")
+        chunks, size = [], 0
+        too_large = length.isdigit() and int(length) > self.max_body
+        async for chunk in request.stream():
+            size += len(chunk)
+            too_large = too_large or size > self.max_body
+            if size > 4 * self.max_body:
+                break
+            if not too_large:
+                chunks.append(chunk)
+            # Past the cap the rest is read and dropped (up to a bound) before answering: most clients send
+            # the whole body before they read a reply, and would see a reset connection instead of the 413.
+        if too_large:
+            raise self._too_large()
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise HttpError(400, f"the request body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        return body
+
+    def _too_large(self) -> HttpError:
+        return HttpError(413, f"the request body is larger than {self.max_body} bytes (--max-request-mb); send "
+                         "smaller images, or fewer", code="request_too_large")
+
+    # ------------------------------------------------------------ request -> GenerateRequest
+
+    async def build_request(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, ChatOptions]:
+        """Check every field and build the request; raises HttpError naming the field."""
+        body = {key: value for key, value in body.items() if value is not None}
+        unsupported = sorted(set(body) - SUPPORTED)
+        if unsupported:
+            raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
+                            code="unsupported_parameter")
+        for name, neutral in NEUTRAL.items():
+            if name in body and (_number(body, name) != neutral):
+                raise HttpError(400, f"{name} is not supported by this server (only {neutral})", param=name,
+                                code="unsupported_parameter")
+        if "model" in body and body["model"] != self.model_name:
+            if not isinstance(body["model"], str):
+                raise HttpError(400, "model must be a string", param="model")
+            raise self._unknown_model(body["model"])
+        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+            raise HttpError(400, "n must be 1: this server returns one choice per request", param="n",
+                            code="unsupported_parameter")
+        stream = _bool(body, "stream")
+        stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
+        if stream_options and not stream:
+            raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if stream_options.get("continuous_usage_stats"):
+            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
+                            param="stream_options", code="unsupported_parameter")
+        include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        logprobs = _bool(body, "logprobs")
+        top_logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if "top_logprobs" in body else 0
+        if top_logprobs and not logprobs:
+            raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+        sampling = epd_pb2.SamplingParams()
+        tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
+        if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+            raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
+        if tokens:
+            sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
+        if "temperature" in body:
+            sampling.temperature = _number(body, "temperature")
+        if "top_p" in body:
+            sampling.top_p = _number(body, "top_p")
+        if "top_k" in body:
+            top_k = _integer(body, "top_k", -1, 2**31 - 1)
+            sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
+        if "seed" in body:
+            sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
+        if "stop" in body:
+            stop = body["stop"]
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+                raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
+            sampling.stop.extend(stops)
+        sampling.ignore_eos = _bool(body, "ignore_eos")
+        if logprobs:
+            sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
+
+        request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
+        mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
+        if "max_pixels" in mm:
+            request.max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels")
+        template = _object(body, "chat_template_kwargs", {"enable_thinking"})
+        request.enable_thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
+        if "user" in body and not isinstance(body["user"], str):
+            raise HttpError(400, "user must be a string", param="user")
+        request.messages.extend(await self._messages(body.get("messages")))
+        options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
+                              token_ids=_bool(body, "return_token_ids"))
+        return request, options
+
+    async def _messages(self, messages) -> list[epd_pb2.ChatMessage]:
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages must be a non-empty list", param="messages")
+        out, loads = [], []
+        for m_index, message in enumerate(messages):
+            where = f"messages[{m_index}]"
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise HttpError(400, f"{where} must be an object with a string role", param="messages")
+            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content"})
+            if extra:
+                raise HttpError(400, f"{where}: {', '.join(extra)} not supported by this server", param="messages",
+                                code="unsupported_parameter")
+            content = message.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            if not isinstance(parts, list):
+                raise HttpError(400, f"{where}.content must be a string or a list of parts", param="messages")
+            chat = epd_pb2.ChatMessage(role=message["role"])
+            for p_index, part in enumerate(parts):
+                here = f"{where}.content[{p_index}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
+                    chat.content.append(epd_pb2.ContentPart(text=part["text"]))
+                elif kind == "image_url":
+                    chat.content.append(epd_pb2.ContentPart(image=b""))
+                    loads.append((chat.content[-1], _image_url(part, here), here))
+                else:
+                    raise HttpError(400, f'{here} must be {{"type": "text", "text": STR}} or {{"type": "image_url", '
+                                    f'"image_url": {{"url": URL}}}}; got type {kind!r}', param="messages",
+                                    code="unsupported_parameter" if kind else None)
+            out.append(chat)
+        if loads:
+            results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
+                                           return_exceptions=True)
+            for (part, _, _), result in zip(loads, results):
+                if isinstance(result, MediaError):
+                    raise HttpError(400, str(result), param="messages")
+                if isinstance(result, BaseException):
+                    raise result
+                part.image = result
+        return out
+
+    # ------------------------------------------------------------ response pieces
+
+    def logprobs_json(self, entries, options: ChatOptions, token_ids) -> list[dict]:
+        tokenizer = self.core.builder.tokenizer
+        out = []
+        for token_id, entry in zip(token_ids, entries):
+            text = tokenizer.decode([token_id])
+            top = []
+            for alt in list(entry.top)[:options.top_logprobs]:
+                alt_text = tokenizer.decode([alt.token_id])
+                top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
+            out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
+        return out
+
+
+def _image_url(part: dict, where: str) -> str:
+    extra = set(part) - {"type", "image_url"}
+    if extra:
+        raise HttpError(400, f"{where}: {', '.join(sorted(extra))} not supported by this server", param="messages")
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image if isinstance(image, str) else None
+    if not isinstance(url, str):
+        raise HttpError(400, f'{where}.image_url must be {{"url": URL}}', param="messages")
+    if isinstance(image, dict):
+        unknown = set(image) - {"url", "detail"}
+        if unknown:
+            raise HttpError(400, f"{where}.image_url: {', '.join(sorted(unknown))} not supported by this server",
+                            param="messages")
+        if image.get("detail", "auto") not in ("auto", None):
+            raise HttpError(400, f"{where}.image_url.detail: only 'auto' is supported; lower the resolution with "
+                            "mm_processor_kwargs.max_pixels", param="messages", code="unsupported_parameter")
+    return url
+
+
+def _bool(body: dict, name: str, shown: str = "") -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise HttpError(400, f"{shown or name} must be true or false", param=shown or name)
+    return value
+
+
+def _number(body: dict, name: str) -> float:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HttpError(400, f"{name} must be a finite number", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int, shown: str = "") -> int:
+    value = body[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}]", param=shown or name)
+    return value
+
+
+def _object(body: dict, name: str, allowed: set[str]) -> dict:
+    value = body.get(name, {})
+    if not isinstance(value, dict):
+        raise HttpError(400, f"{name} must be an object", param=name)
+    value = {key: item for key, item in value.items() if item is not None}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise HttpError(400, f"{name}: {', '.join(unknown)} not supported by this server (supported: "
+                        f"{', '.join(sorted(allowed))})", param=name, code="unsupported_parameter")
+    return value
+
+
+class _ChatCall:
+    """The ASGI response of one chat completion: runs the request, and cancels it the moment the
+    client disconnects (the status waits for the first event, so early failures get their code)."""
+
+    def __init__(self, front: HttpFront, request: epd_pb2.GenerateRequest, options: ChatOptions,
+                 request_id: str) -> None:
+        self.front, self.request, self.options, self.id = front, request, options, request_id
+        self.created = int(time.time())
+
+    async def __call__(self, scope, receive, send) -> None:
+        logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
+        self.started = False  # the status line has gone out
+        producer = asyncio.ensure_future(self._produce(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not producer.done():
+                producer.cancel()  # the client left (or this task was cancelled): drop the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await producer
+                log.info("http request %s: client disconnected; cancelled", self.id)
+                return
+        if producer.cancelled():  # cut by a shutdown's drain timeout, not by the client: say so, retryably
+            error = HttpError(503, "router: shut down before the answer finished", "service_unavailable",
+                              code="unavailable")
+            if not self.started:
+                await _send_json(send, 503, error.body(), {"retry-after": "1"})
+            elif self.options.stream:
+                await send({"type": "http.response.body", "body": _sse(error.body()) + b"data: [DONE]\n\n",
+                            "more_body": False})
+            return
+        producer.result()
+
+    async def _produce(self, send) -> None:
+        front = self.front
+        events = front.stats.track("http", front.core.generate(self.request, None))
+        try:
+            try:
+                first = await anext(events)
+            except StopAsyncIteration:
+                first = None
+            except Exception as error:  # noqa: BLE001 - a refusal before anything was sent: its own status
+                self.started = True
+                await _send_json(send, *self._error(error))
+                return
+            if self.options.stream:
+                await self._stream(send, first, events)
+            else:
+                await self._whole(send, first, events)
+        finally:
+            await events.aclose()
+
+    def _error(self, error: BaseException) -> tuple[int, dict, dict]:
+        failure = http_error(error)
+        if failure.status >= 500:
+            log.warning("http request %s: %s %s", self.id, failure.status, failure.message)
+        headers = {"retry-after": "1"} if failure.status in (429, 503) else {}
+        return failure.status, failure.body(), headers
+
+    async def _whole(self, send, first, events) -> None:
+        text, token_ids, logprobs, summary = [], [], [], None
+        try:
+            event = first
+            while event is not None:
+                if event.WhichOneof("event") == "summary":
+                    summary = event.summary
+                else:
+                    text.append(event.chunk.text)
+                    token_ids.extend(event.chunk.token_ids)
+                    logprobs.extend(event.chunk.logprobs)
+                event = await anext(events, None)
+        except Exception as error:  # noqa: BLE001 - nothing sent yet: the error gets its status
+            self.started = True
+            await _send_json(send, *self._error(error))
+            return
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                  "logprobs": None, "finish_reason": _finish(summary)}
+        if self.options.logprobs:
+            choice["logprobs"] = {"content": self.front.logprobs_json(logprobs, self.options, token_ids)}
+        if self.options.token_ids:
+            choice["token_ids"] = token_ids
+        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.front.model_name,
+                "choices": [choice], "usage": _usage(summary), "system_fingerprint": None}
+        self.started = True
+        await _send_json(send, 200, body, {"x-request-id": self.id})
+
+    async def _stream(self, send, first, events) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-request-id", self.id.encode())]})
+        usage = {"usage": None} if self.options.include_usage else {}
+
+        async def emit(choices: list, **extra) -> None:
+            chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
+            await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+
+        await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}])
+        summary = None
+        try:
+            event = first
+            while event is not None:
+                if event.WhichOneof("event") == "summary":
+                    summary = event.summary
+                elif event.chunk.text or event.chunk.token_ids:
+                    chunk = event.chunk
+                    choice = {"index": 0, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+                    if self.options.logprobs:
+                        choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options,
+                                                                                  chunk.token_ids)}
+                    if self.options.token_ids:
+                        choice["token_ids"] = list(chunk.token_ids)
+                    await emit([choice])
+                event = await anext(events, None)
+        except Exception as error:  # noqa: BLE001 - the status line is gone: say it in the stream
+            _, body, _ = self._error(error)
+            await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
+        else:
+            await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(summary)}])
+            if self.options.include_usage:
+                usage = {}
+                await emit([], usage=_usage(summary))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _finish(summary) -> str | None:
+    return FINISH_REASONS.get(summary.finish_reason, summary.finish_reason) if summary is not None else None
+
+
+def _usage(summary) -> dict | None:
+    if summary is None:
+        return None
+    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.completion_tokens,
+            "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
+    """A whole JSON response (the caller marks itself started first when it matters)."""
+    data = json.dumps(body, ensure_ascii=False).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def default_model_name(model_dir: str) -> str:
+    return os.path.basename(os.path.normpath(model_dir))

@@ -1,0 +1,111 @@
+"""The HTTP front's request checking and error mapping, in-process (the end-to-end behaviour is in
+tests/test_http.py): every OpenAI field either maps onto the GenerateRequest or is refused by name,
+and every failure of the request path gets its HTTP status."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from bench.synthetic import make_image
+from epd import errors, rpc
+from epd.config import HttpConfig
+from epd.dataurl import encode_data_url
+from router_svc.http import HttpError, HttpFront, http_error
+from router_svc.stats import RequestStats
+
+IMAGE = make_image(32, 32, seed=1)
+
+
+def build(body: dict):
+    front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, RequestStats())
+    return asyncio.run(front.build_request(body, "chatcmpl-1"))
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts) or "hi"}]
+
+
+def test_fields_map_onto_the_request():
+    request, options = build({
+        "model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, *user(
+            {"type": "image_url", "image_url": {"url": encode_data_url(IMAGE), "detail": "auto"}},
+            {"type": "text", "text": "What?"})],
+        "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 3, "stop": ["\n", "."],
+        "logprobs": True, "top_logprobs": 0, "stream": True, "stream_options": {"include_usage": True},
+        "mm_processor_kwargs": {"max_pixels": 65536}, "chat_template_kwargs": {"enable_thinking": True},
+        "ignore_eos": True, "return_token_ids": True, "user": "u1", "presence_penalty": 0, "tools": None, "n": 1})
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (
+        7, 0.5, pytest.approx(0.9), 0, 3, ["\n", "."], True)
+    assert s.logprobs == 1  # the sampled token's logprob needs at least one from decode
+    assert request.max_pixels == 65536 and request.enable_thinking and request.request_id == "chatcmpl-1"
+    assert [m.role for m in request.messages] == ["system", "user"]
+    assert request.messages[1].content[0].image == IMAGE and request.messages[1].content[1].text == "What?"
+    assert (options.stream, options.include_usage, options.logprobs, options.top_logprobs, options.token_ids) == (
+        True, True, True, 0, True)
+    plain, options = build({"messages": user()})
+    assert not plain.sampling.HasField("max_tokens") and not plain.sampling.HasField("temperature")
+    assert not plain.HasField("max_pixels") and not options.stream
+
+
+@pytest.mark.parametrize("body,status,message", [
+    ({"messages": user(), "tools": []}, 400, "tools: not supported"),
+    ({"messages": user(), "response_format": {"type": "text"}}, 400, "response_format: not supported"),
+    ({"messages": user(), "logit_bias": {"1": 2}}, 400, "logit_bias: not supported"),
+    ({"messages": user(), "n": 3}, 400, "n must be 1"),
+    ({"messages": user(), "n": True}, 400, "n must be 1"),
+    ({"messages": user(), "presence_penalty": 1}, 400, "presence_penalty is not supported"),
+    ({"messages": user(), "model": "other"}, 404, "`other` does not exist"),
+    ({"messages": user(), "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ({"messages": user(), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be an integer in [0, 20]"),
+    ({"messages": user(), "max_tokens": 5, "max_completion_tokens": 6}, 400, "differ"),
+    ({"messages": user(), "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    ({"messages": user(), "temperature": "hot"}, 400, "temperature must be a finite number"),
+    ({"messages": user(), "seed": -1}, 400, "seed must be an integer"),
+    ({"messages": user(), "stop": [""]}, 400, "stop must be"),
+    ({"messages": user(), "stream": "yes"}, 400, "stream must be true or false"),
+    ({"messages": user(), "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
+    ({"messages": user(), "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "not supported"),
+    ({"messages": user(), "mm_processor_kwargs": {"min_pixels": 1}}, 400, "mm_processor_kwargs: min_pixels"),
+    ({"messages": user(), "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs: tools"),
+    ({"messages": []}, 400, "messages must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "name not supported"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}, 400, "tool_calls not supported"),
+    ({"messages": user({"type": "input_audio", "input_audio": {}})}, 400, "got type 'input_audio'"),
+    ({"messages": user({"type": "text", "text": 3})}, 400, "must be"),
+    ({"messages": user({"type": "image_url", "image_url": {"url": encode_data_url(IMAGE), "detail": "low"}})}, 400,
+     "only 'auto'"),
+    ({"messages": user({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}})}, 400,
+     "messages[0].content[0]: the data: URL is not valid base64"),
+    ({"messages": user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})}, 400,
+     "--allow-media-urls"),
+    ({"messages": user({"type": "image_url", "image_url": {"url": "file:///etc/hosts"}})}, 400,
+     "--allowed-local-media-path"),
+])
+def test_refusals_name_the_field(body, status, message):
+    with pytest.raises(HttpError) as raised:
+        build(body)
+    assert raised.value.status == status
+    assert message in raised.value.message
+
+
+@pytest.mark.parametrize("error,status,kind", [
+    (ValueError("max_tokens must be at least 1, got 0"), 400, "invalid_request_error"),
+    (errors.ResourceExhausted("router: 64 requests already wait; retry in a moment"), 429, "rate_limit_error"),
+    (errors.Unavailable("prefill: no replica takes work"), 503, "service_unavailable"),
+    (errors.DeadlineExceeded("request passed its deadline in decode"), 504, "timeout_error"),
+    (rpc.RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "image 0: corrupt"), 400, "invalid_request_error"),
+    (rpc.RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "no key"), 401, "authentication_error"),
+    (errors.ServiceError("decode failed this request"), 500, "internal_error"),
+    (RuntimeError("boom"), 500, "internal_error"),
+])
+def test_request_path_failures_map_to_http_statuses(error, status, kind):
+    failure = http_error(error)
+    assert (failure.status, failure.kind) == (status, kind)
+    assert failure.message == rpc.status_of(error)[1]  # the gRPC front's message, word for word
+    body = failure.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert failure.response().headers.get("retry-after") == ("1" if status in (429, 503) else None)
