@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench.synthetic import make_image
 from epd import client, rpc
-from epd.config import DeployConfig, EncodeConfig, ServeConfig
+from epd.config import DeployConfig, EncodeConfig, ServeConfig, StoreConfig
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 
@@ -108,7 +108,9 @@ def _batch_sizes(args) -> int:
 
     width, height = (int(v) for v in args.size.lower().split("x"))
     sizes = sorted({int(n) for n in args.batch_sizes.split(",")})
-    serve = ServeConfig(model_dir=args.model, encode=EncodeConfig(dtype=args.dtype))
+    # No store: only the vision forward is timed.
+    serve = ServeConfig(model_dir=args.model, encode=EncodeConfig(dtype=args.dtype),
+                        store=StoreConfig(redis_url="unix:///nonexistent/redis.sock"))
     engine = EncoderEngine(serve, RoleContext(name="encoder-bench"))
     configure_threads(0)
     pixels = [imaging.load_pixels(make_image(width, height, seed=n), engine.settings) for n in range(max(sizes))]

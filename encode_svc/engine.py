@@ -78,7 +78,7 @@ class EncoderEngine:
             kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
         self.settings = ModelInfo.load(serve.model_dir).image_settings(config.max_decoded_pixels)
         self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
-        self.max_batch_patches = config.max_batch_patches
+        self.max_batch_patches = config.max_batch_patches or (16384 if weight.device.type == "cuda" else 1)
         self.num_encoded = 0
         self.num_batches = 0
         self.num_dropped = 0  # images cancelled before their forward

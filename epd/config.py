@@ -69,15 +69,17 @@ class EncodeConfig:
     """Ceiling on an image's own pixel count before resizing: a decompression-bomb guard."""
     num_threads: int = 0
     """torch threads per encoder replica; 0: every core the replica may run on."""
-    max_batch_patches: int = 16384
-    """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs alone)."""
+    max_batch_patches: int = 0
+    """Patch budget of one vision forward: queued images are batched up to it (a bigger image runs
+    alone). 0: one image per forward on a CPU (a compute-bound CPU encodes no more images/s in a
+    batch, and each image would wait for the whole batch: docs/BENCHMARKS.md), 16384 on a GPU."""
     dtype: str = "float32"
     """Weights and activations dtype of the vision tower."""
     prepack: bool = True
     """On a CPU, run the vision tower's linear layers through oneDNN with pre-packed weights."""
 
     def __post_init__(self) -> None:
-        _check_range(self.max_batch_patches, 1, 1 << 24, "encode.max_batch_patches")
+        _check_range(self.max_batch_patches, 0, 1 << 24, "encode.max_batch_patches")
         _check(self.dtype in DTYPE_CHOICES, "encode.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _check_range(self.max_decoded_pixels, 65536, 1 << 31, "encode.max_decoded_pixels")
         _check_range(self.num_threads, 0, 256, "encode.num_threads")
