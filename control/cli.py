@@ -424,6 +424,10 @@ def _ray_env(address: str) -> None:
     if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A short-lived driver has no metrics worth exporting, and Ray 2.60's metrics reader thread can
+    # race the process's exit (a SIGSEGV in opentelemetry's Collect, seen once in ~50 `epd status`
+    # calls under load). Off for this process only: the cluster's own processes keep theirs.
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     # Ray's own rule for `ray start` and a local ray.init: with a token in ~/.ray/auth_token the
     # cluster requires it, and a driver sends it only in token mode. RAY_AUTH_MODE set by the
     # user wins (e.g. RAY_AUTH_MODE=disabled for a cluster started without auth).

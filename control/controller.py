@@ -353,7 +353,7 @@ class Controller:
             # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
             reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
             if endpoint is not None and endpoint.healthy != reachable and probe is not Probe.DEAD:
-                self.registry.mark.remote(name, reachable)
+                self.registry.mark.remote(name, reachable, endpoint.incarnation)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
                 self._kill(name)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry"
 HEARTBEAT_S = 1.0
 WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
+STRANDED_S = 2.0  # a replica that said nothing behind it serves counts as unavailable this long
 WARMUP_S = 3 * HEARTBEAT_S  # a restarted registry is refilled by the replicas' heartbeats within this
 
 
@@ -136,9 +137,14 @@ class Registry:
         self._endpoints[endpoint.name] = replace(endpoint, draining=draining, healthy=True)
         return self._bump()
 
-    def mark(self, name: str, healthy: bool) -> int:
+    def mark(self, name: str, healthy: bool, incarnation: str = "") -> int:
+        """The controller's verdict on a replica, about the process it probed (``incarnation``):
+        a verdict on a process Ray has since restarted is stale and changes nothing (it would take
+        the new process out of rotation until the next probe)."""
         endpoint = self._endpoints.get(name)
-        if endpoint is not None and endpoint.healthy != healthy:
+        if endpoint is None or (incarnation and endpoint.incarnation != incarnation):
+            return self._version
+        if endpoint.healthy != healthy:
             self._endpoints[name] = replace(endpoint, healthy=healthy)
             return self._bump()
         return self._version
@@ -280,6 +286,7 @@ class Balancer:
         self._breakers: dict[str, Breaker] = {}
         self._last_pick: dict[str, int] = {}
         self._picks = 0
+        self._stranded: dict[str, float] = {}  # name -> when it last said nothing behind it serves
         self._lock = threading.Lock()
 
     def update(self, endpoints: list[Endpoint]) -> None:
@@ -312,6 +319,8 @@ class Balancer:
             self._outstanding[name] -= 1
             breaker = self._breaker(name)
             breaker.end(ok, now)
+            if ok:
+                self._stranded.pop(name, None)
             if ok is False:
                 log.warning("%s %s failed; out of rotation for %.1f s", self.role, name, breaker.retry_at - now)
 
@@ -321,10 +330,21 @@ class Balancer:
             return not self._breaker(name).closed
 
     def num_available(self) -> int:
-        """Replicas that would take a call now (health reports read this)."""
+        """Replicas that would take a call now and, as far as their last answer tells, could
+        serve it (health reports read this)."""
         now = time.monotonic()
         with self._lock:
-            return sum(self._breaker(n).allows(now) for n in self._live)
+            return sum(self._breaker(n).allows(now) and now - self._stranded.get(n, -STRANDED_S) >= STRANDED_S
+                       for n in self._live)
+
+    def stranded(self, name: str) -> None:
+        """``name`` answered that nothing behind it serves (UNAVAILABLE from downstream): it is
+        not at fault and stays in rotation, but for ``STRANDED_S`` (or until it next answers)
+        it does not count as available, so health tells the truth in the seconds before the
+        controller's probes see the dead replica behind it. A time limit, not a latch: a router
+        that no traffic reaches must not report NOT_SERVING for ever."""
+        with self._lock:
+            self._stranded[name] = time.monotonic()
 
     def outstanding(self) -> dict[str, int]:
         with self._lock:
@@ -377,6 +397,8 @@ class Targets:
                 return reply, address
             except grpc.aio.AioRpcError as error:
                 if not rpc.peer_failed(error):
+                    if error.code() is grpc.StatusCode.UNAVAILABLE:
+                        self.balancer.stranded(name)
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 ok = False
                 tried.add(name)

@@ -10,7 +10,7 @@ import pytest
 
 from control.autoscale import AutoscalePolicy
 from control.fleet import Fleet, Probe, unplaced
-from epd import errors
+from epd import discovery, errors
 from epd.breaker import Breaker
 from epd.config import AutoscaleConfig
 from epd.discovery import WATCHER_STALE_S, Balancer, Endpoint, Registry
@@ -75,6 +75,36 @@ def test_heartbeats_restarts_health_and_removal():
     registry.remove("decode-1")
     registry.register(_ep("decode-1"))  # a late heartbeat from the removed replica
     assert registry.snapshot().endpoints == []
+
+
+def test_a_verdict_on_a_process_since_restarted_leaves_its_successor_in_rotation():
+    """The controller probed the old process (dead) while Ray restarted it: its verdict, landing
+    after the new process registered, must not take the new one out of rotation."""
+    registry = Registry()
+    registry.register(Endpoint(name="decode-1", role="decode", address="h:old", incarnation="i1"))
+    registry.register(Endpoint(name="decode-1", role="decode", address="h:new", incarnation="i2"))
+    registry.mark("decode-1", healthy=False, incarnation="i1")
+    assert registry.snapshot().endpoints[0].healthy
+    registry.mark("decode-1", healthy=False, incarnation="i2")
+    assert not registry.snapshot().endpoints[0].healthy
+
+
+def test_a_replica_with_nothing_behind_it_stays_picked_but_not_counted_until_it_answers(monkeypatch):
+    """An Encode service whose only encoder replica just died answers UNAVAILABLE from downstream:
+    it keeps its place in rotation (it is not at fault) but health must not count it for a while;
+    an answer from it, or the time limit, counts it again."""
+    now = [100.0]
+    monkeypatch.setattr(discovery.time, "monotonic", lambda: now[0])
+    balancer = Balancer("encode")
+    balancer.update([_ep("encode-1", "encode")])
+    balancer.stranded("encode-1")
+    assert balancer.num_available() == 0
+    assert balancer.pick()[0] == "encode-1"
+    balancer.release("encode-1", ok=True)
+    assert balancer.num_available() == 1
+    balancer.stranded("encode-1")
+    now[0] += discovery.STRANDED_S
+    assert balancer.num_available() == 1
 
 
 def test_balancer_spreads_calls_and_skips_draining_and_unhealthy_replicas():
