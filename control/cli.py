@@ -490,12 +490,30 @@ def _connect(args):
         raise SystemExit(1) from None
 
 
+def _ask(handle, method: str, *args, wait_s: float = 120.0):
+    """A call to the controller. While Ray restarts it (its process died), wait for it rather than
+    fail: status and scale are safe to send again (scale sets a count, it does not add)."""
+    import ray
+
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        try:
+            return ray.get(getattr(handle, method).remote(*args))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            if not told:
+                print("epd: the controller is restarting; waiting for it", file=sys.stderr)
+                told = True
+            time.sleep(1.0)
+
+
 def _cmd_scale(args) -> int:
     handle = _connect(args)  # first: it sets Ray's environment before ray is imported
     import ray
 
     try:
-        count = ray.get(handle.scale.remote(_ROLE_NAMES[args.role], args.count))
+        count = _ask(handle, "scale", _ROLE_NAMES[args.role], args.count)
     except ray.exceptions.RayTaskError as error:
         print(f"epd scale: {error.cause if hasattr(error, 'cause') else error}", file=sys.stderr)
         return 1
@@ -512,7 +530,7 @@ def _cmd_status(args) -> int:
     from control import controller
 
     try:
-        status = ray.get(handle.status.remote())
+        status = _ask(handle, "status")
         status["placements"] = []
         if args.json:  # every actor of the deployment as Ray's state API sees it (needs the dashboard)
             try:

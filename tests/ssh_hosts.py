@@ -26,9 +26,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+import pytest
 
 VENV = Path(sys.executable).parent.parent  # the environment running the tests: prepared, complete
 # What every machine must still see of the real filesystem: that environment, the interpreter it
@@ -300,3 +303,24 @@ class Lan:
 
     def leftover_netns(self) -> set[str]:
         return set(self.netns) & {line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line}
+
+
+@contextmanager
+def up(lan: Lan) -> Iterator[Lan]:
+    """``lan`` created for a test and destroyed after it, every process and namespace checked
+    gone; the test is skipped where this machine does not permit ``ip netns``."""
+    try:
+        lan.create()
+    except BaseException as error:
+        stubborn = lan.destroy()
+        command = [str(part) for part in getattr(error, "cmd", None) or []]
+        if isinstance(error, subprocess.CalledProcessError) and command[:3] == ["ip", "netns", "add"]:
+            pytest.skip(f"`ip netns` is not permitted here: {error.stderr.strip()}")
+        assert stubborn == [], f"processes of the test machines would not die: {stubborn}"
+        raise
+    try:
+        yield lan
+    finally:
+        stubborn = lan.destroy()
+        assert stubborn == [], f"processes of the test machines would not die: {stubborn}"
+        assert not lan.leftover_netns(), f"namespaces left behind: {lan.leftover_netns()}"

@@ -138,21 +138,8 @@ def lan(tmp_path):
     if reason:
         pytest.skip(f"OpenSSH server / rsync not available: {reason}")
     lan = ssh_hosts.Lan(os.getpid() % 100000, tmp_path / "lan")
-    try:
-        lan.create()
-    except BaseException as error:
-        stubborn = lan.destroy()
-        command = [str(part) for part in getattr(error, "cmd", None) or []]
-        if isinstance(error, subprocess.CalledProcessError) and command[:3] == ["ip", "netns", "add"]:
-            pytest.skip(f"`ip netns` is not permitted here: {error.stderr.strip()}")
-        assert stubborn == [], f"processes of the test machines would not die: {stubborn}"
-        raise
-    try:
+    with ssh_hosts.up(lan):
         yield lan
-    finally:
-        stubborn = lan.destroy()
-        assert stubborn == [], f"processes of the test machines would not die: {stubborn}"
-        assert not lan.leftover_netns(), f"namespaces left behind: {lan.leftover_netns()}"
 
 
 @pytest.mark.slow
