@@ -57,7 +57,9 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_json(self) -> dict:
-        return {"conversation": self.conversation, "turn": self.turn, "error": self.error, "ttft_s": self.ttft_s,
+        return {"conversation": self.conversation, "turn": self.turn, "error": self.error,
+                "sent_s": self.sent_s,  # the client's perf_counter clock: compare within one run only
+                "ttft_s": self.ttft_s,
                 "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "output_tokens": self.output_tokens,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "images_encoded": self.images_encoded, "images_cached": self.images_cached, "stages": self.stages}

@@ -210,7 +210,10 @@ def _roofline(config: BenchConfig, workload: Workload, records, limits) -> dict:
     result = bound(cost, limits, image_tokens, [r.prompt_tokens for r in served], config.concurrency,
                    config.output_tokens)
     per_request = result["stages"]["vision_s"] / max(1, len(served)) + result["stages"]["prefill_s"] / max(1, len(served))
-    ahead = [per_request * (rank + 1) for rank in range(len(served))]  # requests served before, itself included
+    # The work between a request's arrival and its first token: the encodes and prefills of the
+    # requests whose first token came in that window, its own included.
+    firsts = [r.sent_s + r.ttft_s for r in served]
+    ahead = [per_request * sum(r.sent_s <= first <= mine for first in firsts) for r, mine in zip(served, firsts)]
     result["ttft_work_ahead_s"] = _percentiles(ahead)
     return result
 

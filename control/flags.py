@@ -82,6 +82,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--encoder-cpus", "serve.encode.cpus", metavar="LIST"),
+    _flag("--prefill-cpus", "serve.prefill.cpus", metavar="LIST"),
+    _flag("--decode-cpus", "serve.decode.cpus", metavar="LIST"),
     _flag("--max-decoded-pixels", "serve.encode.max_decoded_pixels"),
     _flag("--prepack", "serve.encode.prepack", "serve.prefill.prepack", "serve.decode.prepack",
           help="on a CPU, run the linear layers of every model role through oneDNN with pre-packed weights "

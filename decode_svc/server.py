@@ -89,7 +89,7 @@ class DecodeServer(rpc.RoleServer):
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.decode
-        configure_threads(config.num_threads)
+        configure_threads(config.num_threads, config.cpus)
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)

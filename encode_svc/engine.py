@@ -69,7 +69,7 @@ class EncoderEngine:
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.encode
-        configure_threads(config.num_threads)
+        configure_threads(config.num_threads, config.cpus)
         self.name = context.name
         self.vision = checkpoint.build_vision_model(serve.model_dir, dtype=parse_dtype(config.dtype),
                                                     device=default_device())

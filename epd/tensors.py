@@ -58,16 +58,32 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(tuple(shape))
 
 
-def configure_threads(num_threads: int = 0) -> int:
-    """Set this process's torch threads: ``num_threads``, or with 0 every core it may run on.
+def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
+    """Pin this process to ``cpus`` (a Linux CPU list; empty: leave it where it may run), then set
+    its torch threads: ``num_threads``, or with 0 every core it may run on.
 
     Ray starts actors with OMP_NUM_THREADS=1, which would leave a role that has the machine's
     cores to itself on one of them. Co-located roles share cores instead; the launcher sets a
     short GOMP_SPINCOUNT for them so idle OpenMP threads soon sleep rather than spin on a core
-    another role needs.
+    another role needs, or each role gets cores of its own (``cpus``).
     """
     import os
 
+    from epd.config import ConfigError, parse_cpus
+
+    if cpus:
+        allowed = os.sched_getaffinity(0)
+        wanted = parse_cpus(cpus) & allowed
+        if not wanted:
+            raise ConfigError(f"cpus {cpus!r}: none of them is among this process's cores "
+                              f"{sorted(allowed)}")
+        # Every thread the process has by now (torch's, Ray's): sched_setaffinity(0) would pin only
+        # the calling one, and threads inherit the mask only when created after it.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), wanted)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread that ended meanwhile
     count = num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(count)
     return count

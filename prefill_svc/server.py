@@ -68,7 +68,7 @@ class PrefillServer(rpc.RoleServer):
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.prefill
-        configure_threads(config.num_threads)
+        configure_threads(config.num_threads, config.cpus)
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -284,6 +285,13 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     assert roof["decode_steps"] == 2 * 7  # ceil(4 requests / 2 in flight) x (8 - 1) steps
     assert 0 < report["efficiency"] < 1 and 0 < report["baseline"]["efficiency"] < 1
     assert 0 < roof["ttft_work_ahead_s"]["p50"] <= roof["ttft_work_ahead_s"]["p99"]
+    # Work ahead of a request: the encodes and prefills of the requests whose first token came
+    # between its arrival and its own first token (itself included), from the rows of the report.
+    firsts = [r["sent_s"] + r["ttft_s"] for r in report["requests"]]
+    counts = [sum(r["sent_s"] <= f <= mine for f in firsts) for r, mine in zip(report["requests"], firsts)]
+    assert 1 <= min(counts) and max(counts) <= 4
+    per_request = (roof["stages"]["vision_s"] + roof["stages"]["prefill_s"]) / 4
+    assert roof["ttft_work_ahead_s"]["p99"] == pytest.approx(per_request * float(np.percentile(counts, 99)))
     assert "roofline" in stdout and "efficiency" in stdout
 
 

@@ -131,6 +131,7 @@ def test_serve_refuses_a_busy_port_before_starting_ray(tiny_model_dir):
     (["--redis", "http://example:6379"], "store.redis_url: must start with redis://"),
     (["--config", "/nonexistent/roles.toml"], "deploy file /nonexistent/roles.toml"),
     (["--encoders", "many"], "argument --encoders: invalid int value"),
+    (["--decode-cpus", "0-"], "decode.cpus: not a CPU list: '0-' (write it as 0-3 or 0,2)"),
 ])
 def test_serve_config_errors_are_one_line(tiny_model_dir, args, message):
     out = epd("serve", "--model", tiny_model_dir, *args, timeout=120)
