@@ -65,6 +65,7 @@ class Controller:
             name=discovery.REGISTRY_NAME, lifetime="detached", get_if_exists=True, max_restarts=-1,
             max_task_retries=-1, num_cpus=0, scheduling_strategy=_here()).remote()
         self.fleet = Fleet()
+        self._registry_epoch = ("", 0.0)  # the registry's epoch, and when this controller first saw it
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         self._desired = {role: config.replicas(role) for role in ROLES}
         self._lock = threading.RLock()
@@ -333,9 +334,12 @@ class Controller:
 
     def _reconcile(self) -> None:
         view = ray.get(self.registry.snapshot.remote(), timeout=30)
+        if view.epoch != self._registry_epoch[0]:
+            self._registry_epoch = (view.epoch, time.monotonic())
+        refilling = time.monotonic() - self._registry_epoch[1] < discovery.REFILL_GRACE_S
         with self._lock:
             known = sum(r.registered for r in self.fleet.replicas.values())
-        if view.warming and len(view.endpoints) < known:
+        if (view.warming or refilling) and len(view.endpoints) < known:
             return  # a restarted registry is being refilled by heartbeats: judge nobody by it yet
         endpoints = {e.name: e for e in view.endpoints}
         with self._lock:

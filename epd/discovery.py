@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 REGISTRY_NAME = "registry"
 HEARTBEAT_S = 1.0
 WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
+REFILL_GRACE_S = 15.0  # after a registry restart, a known replica missing from it is kept this long
 STRANDED_S = 2.0  # a replica that said nothing behind it serves counts as unavailable this long
 WARMUP_S = 3 * HEARTBEAT_S  # a restarted registry is refilled by the replicas' heartbeats within this
 
@@ -225,6 +226,19 @@ class Membership:
         self._stop.set()
 
 
+def refill(known: list[Endpoint], listed: list[Endpoint], warming: bool, since_s: float) -> list[Endpoint] | None:
+    """A watcher's view while a restarted registry is refilled by the replicas' heartbeats: what it
+    lists, plus the replicas the watcher knew that it does not list yet; None once nothing known is
+    missing, or once the registry is past its warm-up and ``REFILL_GRACE_S`` have passed (what is
+    still missing then is gone). A heartbeat can take seconds to land on a loaded machine: a
+    replica must not leave rotation only because the registry lost its memory."""
+    names = {e.name for e in listed}
+    missing = [e for e in known if e.name not in names]
+    if not missing or (not warming and since_s >= REFILL_GRACE_S):
+        return None
+    return listed + missing
+
+
 class RegistryWatch:
     """Keeps a consumer's view of one role current: calls ``on_change(endpoints)`` with the
     role's endpoints whenever the registry changed, then acknowledges the version together with
@@ -239,6 +253,8 @@ class RegistryWatch:
         self.outstanding = outstanding
         self.poll_s = poll_s
         self.seen: tuple[str, int] = ("", -1)
+        self._applied: list[Endpoint] = []  # what on_change last got
+        self._refill_since: float | None = None  # when this watcher first saw a restarted registry
         self._stop = threading.Event()
         self.sync()
         self._thread = threading.Thread(target=self._loop, name=f"watch-{role}", daemon=True)
@@ -248,12 +264,27 @@ class RegistryWatch:
         import ray
 
         view = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
-        if view.warming and self.seen[0] and view.epoch != self.seen[0]:
-            return  # Ray restarted the registry: keep the last view until the replicas are back in it
+        endpoints = [e for e in view.endpoints if e.role == self.role]
+        if self.seen[0] and view.epoch != self.seen[0]:  # Ray restarted the registry
+            now = time.monotonic()
+            self._refill_since = self._refill_since or now
+            kept = refill(self._applied, endpoints, view.warming, now - self._refill_since)
+            if kept is not None:  # replicas it knew are not back in it yet: keep them meanwhile
+                if kept != self._applied:
+                    log.info("registry restarted: keeping %s in rotation until they register again",
+                             ", ".join(sorted({e.name for e in self._applied} - {e.name for e in endpoints})))
+                    self._apply(kept)
+                self.registry.ack.remote(self.watcher, self.role, view.epoch, view.version, self.outstanding())
+                return
+        self._refill_since = None
         if (view.epoch, view.version) != self.seen:
-            self.on_change([e for e in view.endpoints if e.role == self.role])
+            self._apply(endpoints)
             self.seen = (view.epoch, view.version)
         self.registry.ack.remote(self.watcher, self.role, view.epoch, view.version, self.outstanding())
+
+    def _apply(self, endpoints: list[Endpoint]) -> None:
+        self.on_change(endpoints)
+        self._applied = endpoints
 
     def _loop(self) -> None:
         failing = False

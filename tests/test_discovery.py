@@ -107,6 +107,19 @@ def test_a_replica_with_nothing_behind_it_stays_picked_but_not_counted_until_it_
     assert balancer.num_available() == 1
 
 
+def test_a_restarted_registry_does_not_take_known_replicas_out_of_rotation_while_it_refills():
+    """After a registry restart its view lists only the replicas whose heartbeat has landed: a
+    watcher keeps the others (seen under load: a router lost both Encoder services for a moment,
+    a request failed) until they are back, or until the grace has passed."""
+    known = [_ep("encode-1", "encode"), _ep("encode-2", "encode")]
+    back = [_ep("encode-2", "encode", incarnation="i2")]
+    kept = discovery.refill(known, back, warming=False, since_s=4.0)
+    assert [(e.name, e.incarnation) for e in kept] == [("encode-2", "i2"), ("encode-1", "i1")]
+    assert discovery.refill(known, back, warming=True, since_s=discovery.REFILL_GRACE_S) is not None
+    assert discovery.refill(known, back, warming=False, since_s=discovery.REFILL_GRACE_S) is None  # gone
+    assert discovery.refill(known, known + [_ep("encode-3", "encode")], warming=True, since_s=0) is None
+
+
 def test_balancer_spreads_calls_and_skips_draining_and_unhealthy_replicas():
     balancer = Balancer("prefill")
     balancer.update([_ep(n, "prefill") for n in ("a", "b", "c")])
