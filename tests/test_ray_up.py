@@ -221,8 +221,9 @@ def test_ray_up_onprem_deploy_generate_down(lan, tiny_model_dir, oracle):
         deadline = time.monotonic() + 60
         while True:
             out = step(EPD_STATUS)
-            rows = re.findall(r"^(\w+)\s+(\S+)\s+node\s+(\S+)", out.stdout.replace("\r", ""), flags=re.M)
-            if all(node != "?" for _, _, node in rows) or time.monotonic() > deadline:
+            # A replica's row: "  encoder-0    serving    node 10.0.0.11    ADDRESS" (its role is its name's stem).
+            rows = re.findall(r"^\s+([a-z]+)-\d+\s+(\S+)\s+node\s+(\S+)", out.stdout.replace("\r", ""), flags=re.M)
+            if (rows and all(node != "?" for _, _, node in rows)) or time.monotonic() > deadline:
                 break
             time.sleep(2)
         where = {role: set() for role in ("encoder", "encode", "prefill", "decode", "router")}
