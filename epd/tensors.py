@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from epd.config import ConfigError, parse_cpus
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -68,8 +70,6 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
     another role needs, or each role gets cores of its own (``cpus``).
     """
     import os
-
-    from epd.config import ConfigError, parse_cpus
 
     if cpus:
         allowed = os.sched_getaffinity(0)

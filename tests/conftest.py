@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -101,6 +103,17 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+@contextmanager
+def serving(model_dir: str, *extra: str, log_path: str) -> Iterator[ServeProcess]:
+    """`epd serve` for a fixture: started with ``extra`` flags, stopped after it, every process it
+    started proven gone."""
+    server = ServeProcess(model_dir, *extra, log_path=log_path)
+    try:
+        yield server
+    finally:
+        assert server.stop() == [], "epd serve left processes behind"
+
+
 def ray_address(server: ServeProcess) -> str:
     """The local Ray that `epd serve` started (it prints "ray at ADDRESS namespace NS")."""
     for line in server.lines:
@@ -127,11 +140,10 @@ def serve(tiny_model_dir, tmp_path_factory):
     test may call an internal service the way another role would."""
     secrets_dir = tmp_path_factory.mktemp("secrets")
     (secrets_dir / "token").write_text(INTERNAL_TOKEN)
-    server = ServeProcess(tiny_model_dir, "--encoders", "2", "--internal-token-file", str(secrets_dir / "token"),
-                          log_path=str(tmp_path_factory.mktemp("logs") / "serve.log"))
-    server.internal = ((rpc.INTERNAL_TOKEN_KEY, INTERNAL_TOKEN),)
-    yield server
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--encoders", "2", "--internal-token-file", str(secrets_dir / "token"),
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
+        server.internal = ((rpc.INTERNAL_TOKEN_KEY, INTERNAL_TOKEN),)
+        yield server
 
 
 @pytest.fixture(scope="session")

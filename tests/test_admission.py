@@ -10,15 +10,14 @@ import grpc
 import pytest
 
 from epd import client
-from tests.conftest import ServeProcess
+from tests.conftest import serving
 
 
 @pytest.fixture(scope="module")
 def limited(tiny_model_dir, tmp_path_factory):
-    server = ServeProcess(tiny_model_dir, "--max-queued-requests", "2",
-                          log_path=str(tmp_path_factory.mktemp("logs") / "admission.log"))
-    yield server
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--max-queued-requests", "2",
+                 log_path=str(tmp_path_factory.mktemp("logs") / "admission.log")) as server:
+        yield server
 
 
 def test_a_burst_beyond_the_limit_is_refused_at_once_and_the_rest_complete(limited):

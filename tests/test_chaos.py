@@ -29,7 +29,7 @@ import pytest
 from bench.synthetic import make_image
 from control.controller import MAX_RESTARTS
 from epd import client, rpc
-from tests.conftest import ServeProcess, epd_status, ray_address
+from tests.conftest import ServeProcess, epd_status, ray_address, serving
 
 PROMPTS = ["What is in this picture?", "Describe the colours.", "Tell me a story about it.", "Count the shapes."]
 MAX_TOKENS = (12, 24, 40)
@@ -117,11 +117,10 @@ class HealthWatch:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    server = ServeProcess(tiny_model_dir, "--encoders", "2", "--encode-services", "2", "--prefill", "2",
-                          "--decode", "2", "--routers", "2", "--log-level", "INFO",
-                          log_path=str(tmp_path_factory.mktemp("logs") / "chaos.log"))
-    yield server
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--encoders", "2", "--encode-services", "2", "--prefill", "2", "--decode", "2",
+                 "--routers", "2", "--log-level", "INFO",
+                 log_path=str(tmp_path_factory.mktemp("logs") / "chaos.log")) as server:
+        yield server
 
 
 def _kill(pid: int) -> None:

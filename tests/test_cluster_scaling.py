@@ -17,7 +17,7 @@ import pytest
 
 from bench.synthetic import make_image
 from epd import client
-from tests.conftest import ServeProcess, epd, epd_status, ray_address
+from tests.conftest import ServeProcess, epd, epd_status, ray_address, serving
 
 
 def encoder_count(ray_address: str) -> int:
@@ -87,10 +87,9 @@ class Load:
 
 @pytest.fixture(scope="module")
 def scalable(tiny_model_dir, tmp_path_factory):
-    server = ServeProcess(tiny_model_dir, "--encoders", "1",
-                          log_path=str(tmp_path_factory.mktemp("logs") / "scalable.log"))
-    yield server
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--encoders", "1",
+                 log_path=str(tmp_path_factory.mktemp("logs") / "scalable.log")) as server:
+        yield server
 
 
 @pytest.mark.timeout(1800)

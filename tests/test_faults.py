@@ -18,7 +18,7 @@ import pytest
 from bench.synthetic import make_image
 from epd import client, discovery, rpc
 from epd.v1 import epd_pb2_grpc
-from tests.conftest import ServeProcess, epd_status, ray_address
+from tests.conftest import ServeProcess, epd_status, ray_address, serving
 
 IMAGE = make_image(128, 128, seed=900)
 
@@ -33,13 +33,12 @@ def _free_port() -> int:
 def single(tiny_model_dir, tmp_path_factory):
     """One replica of every role; decode batches up to 64 requests."""
     ports = {role: _free_port() for role in ("router", "prefill", "decode")}
-    server = ServeProcess(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(ports["decode"]),
-                          "--router-metrics-port", str(ports["router"]), "--prefill-metrics-port", str(ports["prefill"]),
-                          "--log-level", "INFO", log_path=str(tmp_path_factory.mktemp("logs") / "single.log"))
-    server.metrics = {role: f"http://127.0.0.1:{port}/metrics" for role, port in ports.items()}
-    server.decode_metrics = server.metrics["decode"]
-    yield server
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(ports["decode"]),
+                 "--router-metrics-port", str(ports["router"]), "--prefill-metrics-port", str(ports["prefill"]),
+                 "--log-level", "INFO", log_path=str(tmp_path_factory.mktemp("logs") / "single.log")) as server:
+        server.metrics = {role: f"http://127.0.0.1:{port}/metrics" for role, port in ports.items()}
+        server.decode_metrics = server.metrics["decode"]
+        yield server
 
 
 def _metric(url: str, name: str) -> float:

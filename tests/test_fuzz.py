@@ -28,7 +28,7 @@ from bench.synthetic import make_image
 from epd import rpc
 from epd.tokenizer_build import SPECIAL_TOKENS, THINK_TOKENS
 from epd.v1 import epd_pb2, epd_pb2_grpc
-from tests.conftest import ServeProcess
+from tests.conftest import serving
 
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.UNAUTHENTICATED}
@@ -38,13 +38,12 @@ MAX_TOKENS_LIMIT = 6
 
 @pytest.fixture(scope="module")
 def fuzz_stack(tiny_model_dir, tmp_path_factory):
-    server = ServeProcess(tiny_model_dir, "--encoders", "1", "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
-                          "--default-max-tokens", "3", "--max-images-per-request", "4",
-                          log_path=str(tmp_path_factory.mktemp("logs") / "fuzz-serve.log"))
-    channel = rpc.channel(server.address)
-    yield server, epd_pb2_grpc.RouterStub(channel)
-    channel.close()
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(tiny_model_dir, "--encoders", "1", "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
+                 "--default-max-tokens", "3", "--max-images-per-request", "4",
+                 log_path=str(tmp_path_factory.mktemp("logs") / "fuzz-serve.log")) as server:
+        channel = rpc.channel(server.address)
+        yield server, epd_pb2_grpc.RouterStub(channel)
+        channel.close()
 
 
 # ---------------------------------------------------------------- images

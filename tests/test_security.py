@@ -19,7 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from bench.synthetic import make_image
 from epd import client, rpc
 from epd.v1 import epd_pb2, epd_pb2_grpc
-from tests.conftest import ServeProcess, epd_status, ray_address
+from tests.conftest import epd_status, ray_address, serving
 
 API_KEY = "public-key-for-the-test-42"
 TOKEN = "internal-token-for-the-test-0123456789"
@@ -73,14 +73,13 @@ def secured(tiny_model_dir, tmp_path_factory):
     token_file.write_text(TOKEN)
     key_file = directory / "api-key"
     key_file.write_text(API_KEY)
-    server = ServeProcess(
-        tiny_model_dir, "--api-key-file", str(key_file), "--internal-token-file", str(token_file),
-        "--tls-cert", files["public-cert.pem"], "--tls-key", files["public-key.pem"],
-        "--internal-tls-ca", files["internal-ca.pem"], "--internal-tls-cert", files["internal-cert.pem"],
-        "--internal-tls-key", files["internal-key.pem"], "--log-level", "INFO", "--http-port", "0",
-        log_path=str(directory / "serve.log"))
-    yield server, files
-    assert server.stop() == [], "epd serve left processes behind"
+    with serving(
+            tiny_model_dir, "--api-key-file", str(key_file), "--internal-token-file", str(token_file),
+            "--tls-cert", files["public-cert.pem"], "--tls-key", files["public-key.pem"],
+            "--internal-tls-ca", files["internal-ca.pem"], "--internal-tls-cert", files["internal-cert.pem"],
+            "--internal-tls-key", files["internal-key.pem"], "--log-level", "INFO", "--http-port", "0",
+            log_path=str(directory / "serve.log")) as server:
+        yield server, files
 
 
 def _ask(address, files, **kwargs) -> client.GenerateResult:
