@@ -89,7 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     status = command("status", help="a deployment's replicas and where Ray placed them")
     status.add_argument("--address", required=True, type=_address, help="Ray cluster address")
     status.add_argument("--namespace", default="epd")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="one JSON object per look (with Ray's placements "
+                        "unless --watch)")
+    status.add_argument("--watch", type=_float_in(0.1, 3600), default=None, metavar="S",
+                        help="look again every S seconds until interrupted, over one connection")
     status.set_defaults(func=_cmd_status, parser=status)
 
     down = command("down", help="stop a deployment (the cluster keeps running)")
@@ -529,19 +532,32 @@ def _cmd_status(args) -> int:
 
     from control import controller
 
+    if args.watch:
+        _raise_on_sigterm()  # after Ray's own handlers: stopping a watch is not a crash
     try:
-        status = _ask(handle, "status")
-        status["placements"] = []
-        if args.json:  # every actor of the deployment as Ray's state API sees it (needs the dashboard)
-            try:
-                status["placements"] = controller.placements(args.namespace, args.address)
-            except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
-                print(f"epd status: no placements from Ray's state API ({type(error).__name__})", file=sys.stderr)
+        while True:
+            status = _ask(handle, "status")
+            status["placements"] = []
+            if args.json and not args.watch:  # every actor as Ray's state API sees it (needs the dashboard)
+                try:
+                    status["placements"] = controller.placements(args.namespace, args.address)
+                except Exception as error:  # noqa: BLE001 - a Ray without its dashboard has no state API
+                    print(f"epd status: no placements from Ray's state API ({type(error).__name__})",
+                          file=sys.stderr)
+            if args.json:
+                print(json.dumps(status), flush=True)
+            else:
+                _print_status(status, header=bool(args.watch))
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
     finally:
         ray.shutdown()
-    if args.json:
-        print(json.dumps(status))
-        return 0
+
+
+def _print_status(status: dict, header: bool) -> None:
+    if header:
+        print(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
     where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
         counts = status["counts"][role]
@@ -550,8 +566,9 @@ def _cmd_status(args) -> int:
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
+            work = "" if replica.get("in_flight") is None else f"  {replica['in_flight']} in flight"
             print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}"
-                  f"{http}")
+                  f"{http}{work}")
     for entry in status.get("unplaced", []):
         print(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
               f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
@@ -559,8 +576,7 @@ def _cmd_status(args) -> int:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""
         print(f"{when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
-    print(f"metrics  http://{status['metrics']}/metrics")
-    return 0
+    print(f"metrics  http://{status['metrics']}/metrics", flush=True)
 
 
 def _cmd_down(args) -> int:

@@ -53,6 +53,8 @@ ROLE_ACTORS = {
 REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
 MAX_RESTARTS = 3
 """Ray restarts a replica whose process died this many times; after that the controller replaces it."""
+STATUS_WAIT_S = 2.0
+"""How long `epd status` waits for a replica to say how much work it holds."""
 
 
 class Controller:
@@ -147,6 +149,7 @@ class Controller:
             replicas = list(self.fleet.replicas.values())
         waiting = {name for entry in self.unplaced if entry["count"] == len(entry["replicas"])
                    for name in entry["replicas"]}
+        in_flight = self._work_in_flight()
         for replica in replicas:
             e = registered.get(replica.name)
             roles[replica.role].append({
@@ -154,10 +157,11 @@ class Controller:
                 "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
                 "http_address": e.http_address if e else "",
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
+                "in_flight": in_flight.get(replica.name),
                 "state": "unplaced" if replica.name in waiting else _state(replica)})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
                   for role in ROLES}
-        return {"namespace": self.config.namespace, "roles": roles, "desired": dict(self._desired),
+        return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
                 "unplaced": list(self.unplaced),
                 "autoscale": {"enabled": self.config.autoscale.enabled,
@@ -277,6 +281,29 @@ class Controller:
                 services = [h for n, h in self._handles.items() if n.startswith("encode-")]
             return sum(ray.get([s.outstanding.remote(name) for s in services], timeout=30))
         return ray.get(self._handles[name].in_flight.remote(), timeout=30)
+
+    def _work_in_flight(self) -> dict[str, int]:
+        """The requests each replica works on now (an encoder's: images queued for it or running),
+        asked of every replica at once; one that does not answer within ``STATUS_WAIT_S`` is left out."""
+        with self._lock:
+            handles = dict(self._handles)
+        services = [h for n, h in handles.items() if n.startswith("encode-")]
+        asked: dict[str, list] = {}
+        for name, handle in handles.items():
+            asked[name] = ([s.outstanding.remote(name) for s in services] if name.startswith("encoder-")
+                           else [handle.requests.remote()])
+        refs = [ref for parts in asked.values() for ref in parts]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_WAIT_S)
+        answered = set(ready)
+        found: dict[str, int] = {}
+        for name, parts in asked.items():
+            if not all(ref in answered for ref in parts):
+                continue
+            try:
+                found[name] = sum(ray.get(parts, timeout=0))
+            except Exception:  # noqa: BLE001 - restarting or gone: status says nothing of its work
+                pass
+        return found
 
     def _kill(self, name: str, reason: str = "") -> None:
         with self._lock:

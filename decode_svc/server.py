@@ -103,6 +103,11 @@ class DecodeServer(rpc.RoleServer):
         no request a router could still come to stream."""
         return super().in_flight() + self.engine.num_held()
 
+    def requests(self) -> int:
+        """Requests handed off here and not yet streamed to the end (one per request, whether its
+        stream call has come or not)."""
+        return self.engine.num_held()
+
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()
         super().stop(grace_s)

@@ -368,6 +368,10 @@ class RoleServer:
         """Calls this server is still running: a replica being drained exits at zero."""
         return self._in_flight.count
 
+    def requests(self) -> int:
+        """Requests this replica is working on now (what `epd status` shows): its calls."""
+        return self.in_flight()
+
     def node_id(self) -> str:
         import ray
 

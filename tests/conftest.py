@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,6 +133,39 @@ def epd_status(address: str) -> dict:
     out = epd("status", "--address", address, "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class StatusWatch:
+    """`epd status --json --watch` in the background: the deployment's latest look, a fraction of
+    a second old, without a new Ray driver per look."""
+
+    def __init__(self, address: str, every_s: float = 0.2) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "control.cli", "status", "--address", address, "--json",
+                                      "--watch", str(every_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.latest: dict | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.latest = json.loads(line)
+
+    def since(self, moment: float, timeout_s: float = 60) -> dict:
+        """The first look the controller took at ``moment`` (``time.time()``) or later."""
+        deadline = time.monotonic() + timeout_s
+        while self.latest is None or self.latest["time"] < moment:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"epd status --watch exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no status look within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return self.latest
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
 
 
 @pytest.fixture(scope="session")

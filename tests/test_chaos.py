@@ -29,13 +29,14 @@ import pytest
 from bench.synthetic import make_image
 from control.controller import MAX_RESTARTS
 from epd import client, rpc
-from tests.conftest import ServeProcess, epd_status, ray_address, serving
+from tests.conftest import ServeProcess, StatusWatch, epd_status, ray_address, serving
 
 PROMPTS = ["What is in this picture?", "Describe the colours.", "Tell me a story about it.", "Count the shapes."]
 MAX_TOKENS = (12, 24, 40)
 REPEATS = [make_image(160, 128, seed=7000 + i) for i in range(4)]  # images several requests share
 PAUSE_S = 6.0  # load keeps running between two faults
 THINK_S = 1.2  # a client's pause between two requests (it keeps the oracle's checks at the end short)
+LONG_STREAMS, LONG_TOKENS = 6, 800  # the answers decode dies under: they outlast an `epd status`
 
 
 class Load:
@@ -60,14 +61,14 @@ class Load:
             image = REPEATS[rng.randrange(len(REPEATS))] if rng.random() < 0.6 else make_image(128, 128, seed=seed)
             self.send(rng.choice(PROMPTS), image, rng.choice(MAX_TOKENS))
 
-    def send(self, prompt: str, image: bytes, max_tokens: int) -> None:
+    def send(self, prompt: str, image: bytes, max_tokens: int, on_text=None) -> None:
         """One request to the next router; keeps its outcome."""
         with self.lock:
             router = next(self.routers)
         started = time.monotonic()
         try:
             result = client.generate(router, client.user_request(prompt, [image], max_tokens=max_tokens),
-                                     timeout_s=120)
+                                     on_text=on_text, timeout_s=180)
             outcome = {"prompt": prompt, "image": image, "max_tokens": max_tokens, "tokens": result.token_ids,
                        "resumes": result.summary.resumes, "start": started, "end": time.monotonic()}
             with self.lock:
@@ -77,14 +78,19 @@ class Load:
                 self.failed.append({"start": started, "end": time.monotonic(), "code": error.code().name,
                                     "details": error.details()})
 
-    def long_streams(self, count: int, max_tokens: int) -> list[threading.Thread]:
-        """``count`` long answers starting now (in flight when the next fault strikes)."""
-        threads = [threading.Thread(target=self.send, daemon=True,
-                                    args=(f"Tell me everything, part {n}.", REPEATS[n % len(REPEATS)], max_tokens))
-                   for n in range(count)]
-        for thread in threads:
-            thread.start()
-        return threads
+    def long_streams(self, asks: list[tuple[str, bytes]], max_tokens: int) -> list[int]:
+        """One answer per (prompt, image) starting now; returns how many text events each has
+        received so far (the list fills in as they stream)."""
+        received = [0] * len(asks)
+
+        def counter(n: int):
+            def on_text(_text: str) -> None:
+                received[n] += 1
+            return on_text
+
+        for n, (prompt, image) in enumerate(asks):
+            threading.Thread(target=self.send, args=(prompt, image, max_tokens, counter(n)), daemon=True).start()
+        return received
 
     def finish(self) -> None:
         self.stop.set()
@@ -121,6 +127,19 @@ def stack(tiny_model_dir, tmp_path_factory):
                  "--routers", "2", "--log-level", "INFO",
                  log_path=str(tmp_path_factory.mktemp("logs") / "chaos.log")) as server:
         yield server
+
+
+def long_answers(oracle, count: int, max_tokens: int) -> list[tuple[str, bytes]]:
+    """``count`` prompts (with an image) that transformers answers with ``max_tokens`` tokens or
+    more: answers that cannot end early, before the fault they are there for."""
+    found = []
+    for n in range(100):
+        prompt, image = f"Tell me everything, part {n}.", REPEATS[n % len(REPEATS)]
+        if len(oracle.generate(prompt, [image], max_new_tokens=max_tokens)[0]) == max_tokens:
+            found.append((prompt, image))
+            if len(found) == count:
+                return found
+    raise AssertionError(f"fewer than {count} of 100 prompts get {max_tokens}-token answers from this checkpoint")
 
 
 def _kill(pid: int) -> None:
@@ -160,6 +179,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
     address = ray_address(stack)
     status = epd_status(address)
     routers = [r["address"] for r in status["roles"]["router"]]
+    long = long_answers(oracle, LONG_STREAMS, LONG_TOKENS)
     load, health = Load(routers, num_clients=4), HealthWatch(routers)
     faults: list[dict] = []
     events: dict[tuple, dict] = {}  # the controller's life events, kept here: killing it loses its history
@@ -184,15 +204,29 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
                             f"{name} restarted by Ray")
         return f"{name} killed {MAX_RESTARTS + 1} times"
 
-    def one_of(role: str, streams_in_flight: int = 0):
+    def one_of(role: str):
         def kill() -> str:
             replica = _replica(epd_status(address), role)
-            if streams_in_flight:  # long answers spread over both workers: the kill lands mid-stream
-                load.long_streams(streams_in_flight, max_tokens=400)
-                time.sleep(1.5)
             _kill(replica["pid"])
             return replica["name"]
         return kill
+
+    def decode_mid_stream() -> str:
+        """Long answers stream from decode (each has had text after its first token, which
+        prefill samples); the decode worker holding the most requests dies under them."""
+        watch = StatusWatch(address)
+        try:
+            watch.since(0)  # connected
+            received = load.long_streams(long, max_tokens=LONG_TOKENS)
+            _wait_until(lambda: all(n >= 2 for n in received), 120, "every long answer streaming from decode")
+            streaming = time.time()
+            busiest = max(watch.since(streaming)["roles"]["decode"], key=lambda r: r["in_flight"] or 0)
+            _kill(busiest["pid"])
+            seen = time.time() - streaming
+        finally:
+            watch.close()
+        assert busiest["in_flight"], f"no decode worker says it holds a request: {busiest}"
+        return f"{busiest['name']} holding {busiest['in_flight']}, killed {seen:.1f} s after all {len(long)} streamed"
 
     def by_title(title: str):
         def kill() -> str:
@@ -205,7 +239,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
         load_started = time.monotonic()
         fault("encoder replica", encoder_past_its_restarts)
         fault("prefill worker", one_of("prefill"))
-        fault("decode worker", one_of("decode", streams_in_flight=6))
+        fault("decode worker", decode_mid_stream)
         fault("redis-server", by_title("redis-server"))
         fault("controller", by_title("ray::Controller"))
         fault("registry", by_title("ray::Registry"))

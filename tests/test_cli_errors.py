@@ -53,6 +53,11 @@ def test_an_address_needs_a_port(addr):
     assert_one_line_error(out, "epd generate: error:", "argument --addr: expected HOST:PORT")
 
 
+def test_status_watch_needs_a_sensible_interval():
+    out = epd("status", "--address", "127.0.0.1:6379", "--watch", "0", timeout=60)
+    assert_one_line_error(out, "epd status: error:", "argument --watch: must be in [0.1, 3600], got 0")
+
+
 def test_generate_files_that_cannot_be_read_are_one_line(tmp_path):
     out = epd("generate", "--addr", NO_SERVER, "--prompt", "hi", "--image", str(tmp_path / "missing.png"), timeout=60)
     assert_one_line_error(out, "epd generate: error:", "cannot read image")

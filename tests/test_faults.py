@@ -111,6 +111,8 @@ def test_clients_that_leave_free_their_work_at_every_stage(single):
     finished = _counts(single.metrics["decode"], "epd_decode_requests_finished_total")
     assert stages.get("prefill", 0) <= sum(prefill.values())  # each one cancelled in prefill was dropped there
     assert stages.get("decode", 0) <= finished.get("cancelled", 0)  # and each one decoding freed its slot
+    held = {r["name"]: r["in_flight"] for replicas in epd_status(address)["roles"].values() for r in replicas}
+    assert set(held.values()) == {0}, f"epd status says work is still held: {held}"
 
 
 def _counts(url: str, family: str) -> dict[str, float]:
