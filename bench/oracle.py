@@ -10,12 +10,14 @@ The benchmark's transformers baseline runs through it too (any dtype, whole conv
 
 from __future__ import annotations
 
+import copy
 import io
 
 import torch
 from PIL import Image, ImageOps
 from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as transformers_logging
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 # A chat message: {"role": ..., "content": str | [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
@@ -101,6 +103,22 @@ class Oracle:
                                   output_logits=True, return_dict_in_generate=True)
         prompt_len = inputs["input_ids"].shape[1]
         return out.sequences[0, prompt_len:].tolist(), out.logits[0][0].float(), prompt_len
+
+    @torch.no_grad()
+    def generate_through_eos(self, inputs: dict, num_tokens: int) -> list[int]:
+        """Greedy, exactly ``num_tokens`` new tokens, EOS sampled like any other token when it is
+        the argmax and generation going on past it: what a request with ``ignore_eos`` gets (vLLM's
+        meaning). ``generate_exact`` instead forbids EOS (``min_new_tokens``), a different answer
+        wherever EOS would have been the argmax."""
+        config = copy.deepcopy(self.model.generation_config)
+        config.eos_token_id = -1  # no id is -1: nothing stops it, nothing is masked
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # its warning that -1 is not a real token id
+        try:
+            out = self.model.generate(**inputs, generation_config=config, max_new_tokens=num_tokens, do_sample=False)
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
 
     @torch.no_grad()
     def generate_exact(self, inputs: dict, num_tokens: int, streamer: BaseStreamer | None = None) -> list[int]:

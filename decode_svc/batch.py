@@ -131,10 +131,11 @@ class DecodeBatch:
         del self.tables[size:]
 
     @torch.inference_mode()
-    def state_of(self, slot: int) -> HybridState:
-        """A copy of one slot's state as a standalone HybridState (tests and debugging)."""
-        length = self.lengths[slot]
-        rows = self._rows(self.tables[slot], 0, length)
+    def state_of(self, slot: int, blocks: list[int] | None = None, length: int | None = None) -> HybridState:
+        """A copy of one slot's state as a standalone HybridState: what a swapped-out request keeps
+        (then ``blocks`` and ``length`` are what it held: its table is already back in the pool)."""
+        length = self.lengths[slot] if length is None else length
+        rows = self._rows(self.tables[slot] if blocks is None else blocks, 0, length)
         state = HybridState.empty(self.runner.num_layers)
         state.num_tokens = length
         for layer in range(self.runner.num_layers):

@@ -44,10 +44,13 @@ class DecodeEngine:
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.pool = BlockPool(kv_pool_blocks(runner, config), config.kv_block_tokens)
+        kv_bytes = self.pool.capacity_tokens * runner.kv_bytes_per_token()
         self.scheduler = DecodeScheduler(
             config.max_batch_size, self.pool,
-            max_waiting_tokens=config.max_waiting_tokens or max(1, self.pool.capacity_tokens // 4),
-            max_waiting_requests=config.max_waiting_requests or config.max_batch_size)
+            max_waiting_tokens=config.max_waiting_tokens or max(1, self.pool.capacity_tokens // 2),
+            max_waiting_requests=config.max_waiting_requests or config.max_batch_size,
+            swap_bytes=0 if config.preemption == "replay" else (config.swap_space_bytes or kv_bytes),
+            state_bytes=lambda tokens: tokens * runner.kv_bytes_per_token() + runner.slot_state_bytes())
         # owned by the loop thread, changed under the lock
         self._batch = DecodeBatch(runner, max_slots=config.max_batch_size, pool=self.pool)
         log.info("decode K/V pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%.1f KiB a token); "
@@ -83,7 +86,8 @@ class DecodeEngine:
         """The K/V pool now: blocks used and in all, the fraction used, tokens it holds in all."""
         with self._lock:
             return {"blocks_used": self.pool.num_used, "blocks": self.pool.num_blocks, "usage": self.pool.usage(),
-                    "capacity_tokens": self.pool.capacity_tokens, "preemptions": self.scheduler.preemptions}
+                    "capacity_tokens": self.pool.capacity_tokens, "preemptions": self.scheduler.preemptions,
+                    "swapped_bytes": self.scheduler.swap_used}
 
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
                sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1) -> None:
@@ -132,7 +136,8 @@ class DecodeEngine:
             waiting = self.scheduler.waiting_by_reason()
             finished = dict(self.scheduler.finished)
             refused = dict(self.scheduler.refused)
-            used, total, preemptions = self.pool.num_used, self.pool.num_blocks, self.scheduler.preemptions
+            used, total = self.pool.num_used, self.pool.num_blocks
+            preempted, swap_used = dict(self.scheduler.preempted), self.scheduler.swap_used
         family = counter("epd_decode_requests_finished_total", "Requests decode finished, by reason", "reason")
         for reason, count in sorted(finished.items()):
             family.add(count, reason)
@@ -153,8 +158,12 @@ class DecodeEngine:
             gauge("epd_decode_kv_cache_usage_ratio", "Fraction of the K/V pool in use (vllm:kv_cache_usage_perc)")
             .add(used / total),
             gauge("epd_decode_kv_capacity_tokens", "Tokens the K/V pool holds in all").add(self.pool.capacity_tokens),
-            counter("epd_decode_preemptions_total", "Requests preempted to free K/V blocks (they resume by replay)")
-            .add(preemptions),
+            counter("epd_decode_preemptions_total", "Requests preempted to free K/V blocks (vllm:num_preemptions), "
+                    "by how: swap (state to host memory and back) or replay (the router resumes it)", "mode")
+            .add(preempted.get("swap", 0), "swap").add(preempted.get("replay", 0), "replay"),
+            gauge("epd_decode_swapped_bytes", "Host memory the swapped-out requests' states take").add(swap_used),
+            gauge("epd_decode_swap_space_bytes", "Host memory swapped-out states may take (0: replay only)")
+            .add(self.scheduler.swap_bytes),
             counter("epd_decode_steps_total", "Batched decode steps").add(self.steps),
             counter("epd_decode_batch_rows_total", "Rows over all decode steps (mean batch = this / steps)")
             .add(self.batch_sizes_total),
@@ -197,9 +206,13 @@ class DecodeEngine:
     def _apply(self, plan: StepPlan) -> None:
         """The one place a scheduling decision reaches the tensors: slot moves, the slots dropped,
         the admitted states copied into their slots and blocks."""
+        for swap in plan.swapped:  # before any move or admission can overwrite its slot or blocks
+            swap.request.state = self._batch.state_of(swap.slot, swap.blocks, swap.length)
+        swapped = {id(swap.request) for swap in plan.swapped}
         for request in plan.preempted:
-            log.info("decode preempted %s after %d tokens to free K/V blocks (%d of %d used); it resumes by replay",
-                     request.request_id, request.num_generated, self.pool.num_used, self.pool.num_blocks)
+            log.info("decode preempted %s after %d tokens to free K/V blocks (%d of %d free now); %s",
+                     request.request_id, request.num_generated, self.pool.num_free, self.pool.num_blocks,
+                     "swapped out" if id(request) in swapped else "it resumes by replay")
         for src, dst in plan.moves:
             self._batch.move(src, dst)
         self._batch.truncate(len(self.scheduler.slots) - len(plan.admitted))

@@ -34,6 +34,7 @@ from epd.sampling import SamplingConfig, TokenLogprobs
 class RequestStatus(enum.Enum):
     HANDED_OFF = "handed_off"  # state received, waiting for a slot in the batch
     DECODING = "decoding"  # in the batch, producing tokens
+    SWAPPED = "swapped"  # preempted: its state copied out of the pool, waiting to come back
     FINISHED = "finished"  # done, cancelled or failed; its state is freed
 
 
@@ -69,6 +70,7 @@ class DecodeRequest:
     blocks: list[int] = field(default_factory=list)  # its K/V block table while it decodes
     admitted: int = -1  # admission order (the youngest is preempted first)
     resumed: bool = False  # it had produced tokens elsewhere before (a replay after a preemption or a death)
+    swap_bytes: int = 0  # host memory its swapped-out state takes
 
     @property
     def num_tokens(self) -> int:
@@ -97,11 +99,23 @@ class DecodeRequest:
 
 
 @dataclass
+class SwapOut:
+    """A preempted request whose state must be copied out of the batch before the plan's moves:
+    it sat in ``slot`` with ``length`` tokens in ``blocks`` (already back in the pool, not yet reused)."""
+
+    request: DecodeRequest
+    slot: int
+    blocks: list[int]
+    length: int
+
+
+@dataclass
 class StepPlan:
     """What changes before one decode step, in the order the engine applies it."""
 
     left: list[DecodeRequest] = field(default_factory=list)  # finished since the last step: out of the batch
-    preempted: list[DecodeRequest] = field(default_factory=list)  # taken out to free K/V blocks
+    preempted: list[DecodeRequest] = field(default_factory=list)  # taken out to free K/V blocks (both ways)
+    swapped: list[SwapOut] = field(default_factory=list)  # of those, the ones whose state the engine copies out
     moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) slot moves, in order
     admitted: list[DecodeRequest] = field(default_factory=list)  # join at the end, in this order
     blocks_taken: int = 0  # K/V blocks handed out for this step (admissions and growth)
@@ -110,10 +124,12 @@ class StepPlan:
 
 class DecodeScheduler:
     def __init__(self, max_batch_size: int, pool: BlockPool | None = None, max_waiting_tokens: int = 0,
-                 max_waiting_requests: int = 0) -> None:
+                 max_waiting_requests: int = 0, swap_bytes: int = 0,
+                 state_bytes: Callable[[int], int] = lambda tokens: 0) -> None:
         """``pool``: the K/V block allocator (none: no memory accounting, for bookkeeping tests);
         ``max_waiting_tokens`` / ``max_waiting_requests``: bounds on the handed-off requests
-        waiting for the batch (0: none)."""
+        waiting for the batch (0: none); ``swap_bytes``: host memory swapped-out states may take
+        (0: preempt by replay only), ``state_bytes(tokens)`` the size of one."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
@@ -124,6 +140,10 @@ class DecodeScheduler:
         self.slots: list[DecodeRequest] = []  # slots[i] decodes in batch slot i
         self.finished: Counter[str] = Counter()  # requests by finish reason, ever
         self.preemptions = 0
+        self.preempted: Counter[str] = Counter()  # preemptions, by how (swap, replay)
+        self.swap_bytes = swap_bytes
+        self.swap_used = 0
+        self.state_bytes = state_bytes
         self.refused: Counter[str] = Counter()  # handoffs refused, by reason
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
@@ -173,7 +193,7 @@ class DecodeScheduler:
         plan.left = [r for r in self.slots if r.status is RequestStatus.FINISHED]
         for request in plan.left:
             self._free_blocks(request)
-        plan.preempted, plan.blocks_taken = self._grow()
+        plan.preempted, plan.swapped, plan.blocks_taken = self._grow()
         plan.moves = self.compact()
         if not plan.preempted:  # memory ran short this step: let the running ones go on first
             plan.admitted = self.admit()
@@ -182,33 +202,52 @@ class DecodeScheduler:
         plan.size = len(self.slots)
         return plan
 
-    def _grow(self) -> tuple[list[DecodeRequest], int]:
+    def _grow(self) -> tuple[list[DecodeRequest], list[SwapOut], int]:
         preempted: list[DecodeRequest] = []
+        swapped: list[SwapOut] = []
         taken = 0
         if self.pool is None:
-            return preempted, taken
+            return preempted, swapped, taken
         for request in sorted(self.slots, key=lambda r: r.admitted):
-            if request.status is RequestStatus.FINISHED:
+            if request.status is not RequestStatus.DECODING:
                 continue
             need = self.pool.blocks_for(request.num_tokens + 1) - len(request.blocks)
             while need > 0 and self.pool.num_free < need:
-                victims = [r for r in self.slots if r.status is not RequestStatus.FINISHED]
+                victims = [r for r in self.slots if r.status is RequestStatus.DECODING]
                 victim = max(victims, key=lambda r: r.admitted)
                 if victim is request and len(victims) == 1:
                     # Alone and still too big: check_handoff keeps this from happening.
                     self.finish(request, FinishReason.ERROR)
                     break
-                self.preemptions += 1
-                self.finish(victim, FinishReason.PREEMPTED)
-                self._free_blocks(victim)
                 preempted.append(victim)
+                swap = self._preempt(victim)
+                if swap is not None:
+                    swapped.append(swap)
                 if victim is request:
                     break
-            if request.status is RequestStatus.FINISHED or need <= 0:
+            if request.status is not RequestStatus.DECODING or need <= 0:
                 continue
             request.blocks.extend(self.pool.allocate(need))
             taken += need
-        return preempted, taken
+        return preempted, swapped, taken
+
+    def _preempt(self, victim: DecodeRequest) -> SwapOut | None:
+        """Take ``victim`` out of the batch and give its blocks back: swapped out while the swap
+        space has room for its state, else finished as PREEMPTED (the router replays it)."""
+        self.preemptions += 1
+        size = self.state_bytes(victim.num_tokens)
+        if self.swap_bytes and self.swap_used + size <= self.swap_bytes:
+            self.preempted["swap"] += 1
+            swap = SwapOut(victim, self.slots.index(victim), list(victim.blocks), victim.num_tokens)
+            victim.status = RequestStatus.SWAPPED
+            victim.swap_bytes = size
+            self.swap_used += size
+            self._free_blocks(victim)
+            return swap
+        self.preempted["replay"] += 1
+        self.finish(victim, FinishReason.PREEMPTED)
+        self._free_blocks(victim)
+        return None
 
     def _free_blocks(self, request: DecodeRequest) -> None:
         if self.pool is not None and request.blocks:
@@ -247,13 +286,13 @@ class DecodeScheduler:
                 self.finish(request, FinishReason.DEADLINE)
 
     def compact(self) -> list[tuple[int, int]]:
-        """Drop finished requests from the slots: each freed slot takes the last slot's request.
-        Returns the moves ``(src, dst)`` to apply to the batch, in order; the batch then keeps the
-        first ``len(self.slots)`` slots."""
+        """Drop finished and swapped-out requests from the slots: each freed slot takes the last
+        slot's request. Returns the moves ``(src, dst)`` to apply to the batch, in order; the batch
+        then keeps the first ``len(self.slots)`` slots."""
         moves = []
         slot = 0
         while slot < len(self.slots):
-            if self.slots[slot].status is not RequestStatus.FINISHED:
+            if self.slots[slot].status is RequestStatus.DECODING:
                 slot += 1
                 continue
             last = self.slots.pop()
@@ -267,9 +306,8 @@ class DecodeScheduler:
         their blocks fit: resumed requests first, then oldest first, never skipping one that does
         not fit yet (a long prompt is not starved by short ones). Each is DECODING from here on,
         holds its blocks and takes the next slot (``slots[-len(result):]``)."""
-        waiting = [r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF]
         joining = []
-        for request in sorted(waiting, key=lambda r: (not r.resumed, r.arrival)):
+        for request in self._queue():
             if len(self.slots) >= self.max_batch_size:
                 break
             if self.pool is not None:
@@ -277,6 +315,9 @@ class DecodeScheduler:
                 if need > self.pool.num_free:
                     break
                 request.blocks = self.pool.allocate(need)
+            if request.status is RequestStatus.SWAPPED:
+                self.swap_used -= request.swap_bytes
+                request.swap_bytes = 0
             request.status = RequestStatus.DECODING
             request.admitted = next(self._admissions)
             self.slots.append(request)
@@ -307,6 +348,9 @@ class DecodeScheduler:
         """Free the request's state; its stream (if any) sees the reason and ends."""
         if request.status is RequestStatus.FINISHED:
             return
+        if request.status is RequestStatus.SWAPPED:
+            self.swap_used -= request.swap_bytes
+            request.swap_bytes = 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.state = None
@@ -329,19 +373,22 @@ class DecodeScheduler:
     def running(self) -> list[DecodeRequest]:
         return list(self.slots)
 
+    def _queue(self) -> list[DecodeRequest]:
+        """Who joins the batch next, in order: swapped-out requests (they were decoding), then
+        resumed handoffs, then the oldest."""
+        waiting = [r for r in self.requests.values() if r.status in (RequestStatus.HANDED_OFF, RequestStatus.SWAPPED)]
+        return sorted(waiting, key=lambda r: (r.status is not RequestStatus.SWAPPED, not r.resumed, r.arrival))
+
     def num_waiting(self) -> int:
-        return sum(r.status is RequestStatus.HANDED_OFF for r in self.requests.values())
+        return len(self._queue())
 
     def waiting_by_reason(self) -> dict[str, int]:
-        """Handed-off requests waiting for the batch, by what holds them: a free slot, or K/V
-        memory (a slot is free but their blocks are not), or their turn behind one of those."""
-        waiting = sorted((r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF),
-                         key=lambda r: (not r.resumed, r.arrival))
-        counts = {"slots": 0, "memory": 0}
-        if not waiting:
-            return counts
-        reason = "slots" if len(self.slots) >= self.max_batch_size else "memory"
-        counts[reason] = len(waiting)
+        """Requests waiting for the batch, by what holds them: a free slot, or K/V memory (a slot
+        is free but their blocks are not); swapped-out ones apart."""
+        queue = self._queue()
+        counts = {"slots": 0, "memory": 0, "swapped": sum(r.status is RequestStatus.SWAPPED for r in queue)}
+        if queue:
+            counts["slots" if len(self.slots) >= self.max_batch_size else "memory"] = len(queue)
         return counts
 
     def num_unfinished(self) -> int:

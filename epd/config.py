@@ -43,6 +43,7 @@ def _check_range(value: float, low: float, high: float, name: str) -> None:
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+PREEMPTION_CHOICES = ("swap", "replay")
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -182,9 +183,15 @@ class DecodeConfig(LMConfig):
     max_waiting_tokens: int = 0
     """Tokens the handed-off requests waiting for the batch may hold in all (their states live
     outside the pool); past it a handoff is refused with RESOURCE_EXHAUSTED and prefill tries
-    another decode worker or waits. 0: a quarter of the pool's tokens."""
+    another decode worker or waits. 0: half the pool's tokens."""
     max_waiting_requests: int = 0
     """Handed-off requests that may wait for the batch; 0: max_batch_size."""
+    preemption: str = "swap"
+    """How a request gives its K/V blocks back when a running one needs a block and none is free:
+    swap (its state is copied to host memory and comes back bit for bit, while swap_space_bytes has
+    room; replay past it) or replay (the router resumes it by a prefill of the prompt and its answer)."""
+    swap_space_bytes: int = 0
+    """Host memory swapped-out requests may take in all; 0: as much as the K/V pool."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
@@ -197,6 +204,9 @@ class DecodeConfig(LMConfig):
         _check_range(self.kv_block_tokens, 1, 4096, "decode.kv_block_tokens")
         _check_range(self.max_waiting_tokens, 0, 1 << 40, "decode.max_waiting_tokens")
         _check_range(self.max_waiting_requests, 0, 1 << 20, "decode.max_waiting_requests")
+        _check(self.preemption in PREEMPTION_CHOICES, "decode.preemption",
+               f"must be one of {PREEMPTION_CHOICES}, got {self.preemption!r}")
+        _check_range(self.swap_space_bytes, 0, 1 << 50, "decode.swap_space_bytes")
         _check_range(self.metrics_port, 0, 65535, "decode.metrics_port")
 
 

@@ -195,3 +195,164 @@ def test_adding_same_id_twice_raises_and_the_id_can_return_after_reap():
     sched.reap(now=0.0)
     sched.add(_request("dup"))
     assert sched.requests["dup"] is not first
+
+
+# ---------------------------------------------------------------- memory: blocks, admission, preemption
+
+from decode_svc.blocks import BlockPool, NoFreeBlocks  # noqa: E402
+from epd import errors  # noqa: E402
+
+
+def _sized(request_id, prompt_len, max_tokens=1000, num_generated=1):
+    request = _request(request_id, max_tokens=max_tokens)
+    request.prompt_len = prompt_len
+    request.num_generated = num_generated
+    request.resumed = num_generated > 1
+    return request
+
+
+def _step(sched, requests):
+    """What the engine does after a forward: every running request holds one more token."""
+    for request in sched.slots:
+        request.steps += 1
+
+
+def test_block_pool_hands_out_and_takes_back():
+    pool = BlockPool(num_blocks=4, block_size=16)
+    assert pool.blocks_for(0) == 0 and pool.blocks_for(1) == 1 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
+    blocks = pool.allocate(3)
+    assert len(set(blocks)) == 3 and pool.num_free == 1 and pool.usage() == 0.75
+    with pytest.raises(NoFreeBlocks, match="asked for 2 K/V blocks, 1 of 4 are free"):
+        pool.allocate(2)
+    pool.free(blocks)
+    assert blocks == [] and pool.num_free == 4
+    again = pool.allocate(1)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([again[0], again[0]])
+
+
+def test_admission_waits_for_blocks_and_never_skips_the_oldest():
+    pool = BlockPool(num_blocks=10, block_size=16)
+    sched = DecodeScheduler(max_batch_size=8, pool=pool)
+    big, small = _sized("big", 16 * 9), _sized("small", 10)  # big needs 10 blocks (its next token too)
+    running = _sized("running", 20)  # 2 blocks
+    for r in (running, big, small):
+        sched.add(r)
+    plan = sched.schedule(now=0.0)
+    assert plan.admitted == [running] and len(running.blocks) == 2
+    assert big.status is RequestStatus.HANDED_OFF and small.status is RequestStatus.HANDED_OFF  # behind big
+    assert sched.waiting_by_reason() == {"slots": 0, "memory": 2, "swapped": 0}
+    sched.finish(running, FinishReason.EOS)
+    plan = sched.schedule(now=0.0)
+    assert plan.left == [running] and plan.admitted == [big] and pool.num_free == 0
+
+
+def test_a_running_request_that_needs_a_block_preempts_the_youngest():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    sched = DecodeScheduler(max_batch_size=8, pool=pool)  # no swap space: preempted by replay
+    old, young = _sized("old", 7), _sized("young", 3)  # 2 blocks and 1 block (next token included)
+    sched.add(old)
+    assert sched.schedule(now=0.0).admitted == [old]
+    sched.add(young)
+    assert sched.schedule(now=0.0).admitted == [young]
+    sink = Sink()
+    young.attach(sink)
+    assert pool.num_free == 1
+    _step(sched, sched.slots)  # old holds 8 tokens: its 9th needs a third block; young holds 4: a second
+    plan = sched.schedule(now=0.0)
+    assert plan.preempted == [young] and young.finish_reason is FinishReason.PREEMPTED
+    assert [e.finish_reason for e in sink] == [FinishReason.PREEMPTED]  # its stream ends: the router replays it
+    assert sched.slots == [old] and len(old.blocks) == 3 and young.blocks == []
+    assert plan.admitted == []  # memory ran short this step: nothing new joins
+    assert sched.preemptions == 1 and sched.finished["preempted"] == 1 and sched.preempted == {"replay": 1}
+
+
+def test_a_swapped_out_request_comes_back_first_and_its_swap_space_is_bounded():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    sched = DecodeScheduler(max_batch_size=8, pool=pool, swap_bytes=100, state_bytes=lambda tokens: 10 * tokens)
+    old, young = _sized("old", 7), _sized("young", 3)
+    for request in (old, young):
+        sched.add(request)
+        sched.schedule(now=0.0)
+    young_slot = sched.slots.index(young)
+    sink = Sink()
+    young.attach(sink)
+    waiting = _sized("waiting", 1)
+    sched.add(waiting)  # arrived before young comes back, but young goes first
+    _step(sched, sched.slots)
+    plan = sched.schedule(now=0.0)
+    assert plan.preempted == [young] and [s.request for s in plan.swapped] == [young]
+    (swap,) = plan.swapped
+    assert (swap.slot, swap.length, len(swap.blocks)) == (young_slot, 4, 1)  # what the engine copies out
+    assert young.status is RequestStatus.SWAPPED and sink == [] and sched.swap_used == 40
+    assert sched.waiting_by_reason()["swapped"] == 1
+    sched.finish(old, FinishReason.EOS)
+    plan = sched.schedule(now=0.0)
+    assert plan.admitted == [young, waiting] and sched.swap_used == 0 and young.status is RequestStatus.DECODING
+    assert len(young.blocks) == 2  # its 4 tokens and the 5th it writes next
+    # A state bigger than the swap space left is preempted by replay instead.
+    big = DecodeScheduler(max_batch_size=8, pool=BlockPool(num_blocks=4, block_size=4), swap_bytes=30,
+                          state_bytes=lambda tokens: 10 * tokens)
+    first, second = _sized("first", 7), _sized("second", 3)
+    for request in (first, second):
+        big.add(request)
+        big.schedule(now=0.0)
+    _step(big, big.slots)
+    plan = big.schedule(now=0.0)
+    assert plan.swapped == [] and second.finish_reason is FinishReason.PREEMPTED and big.preempted == {"replay": 1}
+
+
+def test_a_swapped_request_cancelled_gives_its_swap_space_back():
+    sched = DecodeScheduler(max_batch_size=8, pool=BlockPool(num_blocks=4, block_size=4), swap_bytes=100,
+                            state_bytes=lambda tokens: 10 * tokens)
+    old, young = _sized("old", 7), _sized("young", 3)
+    for request in (old, young):
+        sched.add(request)
+        sched.schedule(now=0.0)
+    _step(sched, sched.slots)
+    sched.schedule(now=0.0)
+    assert sched.swap_used == 40
+    sched.finish(young, FinishReason.CANCELLED)
+    assert sched.swap_used == 0 and young.state is None
+
+
+def test_a_resumed_request_is_admitted_before_older_new_ones():
+    pool = BlockPool(num_blocks=100, block_size=16)
+    sched = DecodeScheduler(max_batch_size=1, pool=pool)
+    fresh, resumed = _sized("fresh", 10), _sized("resumed", 30, num_generated=5)
+    sched.add(fresh)
+    sched.add(resumed)
+    assert sched.schedule(now=0.0).admitted == [resumed]
+
+
+def test_check_handoff_refuses_what_never_fits_and_bounds_the_waiting_queue():
+    pool = BlockPool(num_blocks=8, block_size=16)  # 128 tokens
+    sched = DecodeScheduler(max_batch_size=4, pool=pool, max_waiting_tokens=100, max_waiting_requests=3)
+    with pytest.raises(ValueError, match=r"needs K/V for 139 tokens \(100 in its prompt\); .* holds 128"):
+        sched.check_handoff("huge", prompt_len=100, max_tokens=40, num_generated=1)
+    sched.check_handoff("a", prompt_len=60, max_tokens=10, num_generated=1)  # held while its bytes arrive
+    with pytest.raises(errors.ResourceExhausted, match="hold 60 tokens"):
+        sched.check_handoff("b", prompt_len=60, max_tokens=10, num_generated=1)
+    sched.release("a")
+    sched.check_handoff("b", prompt_len=60, max_tokens=10, num_generated=1)
+    sched.add(_sized("b", 60, max_tokens=10))
+    sched.check_handoff("c", prompt_len=20, max_tokens=10, num_generated=1)
+    sched.check_handoff("d", prompt_len=10, max_tokens=10, num_generated=1)
+    with pytest.raises(errors.ResourceExhausted, match="3 handed-off requests already wait"):
+        sched.check_handoff("e", prompt_len=1, max_tokens=1, num_generated=1)
+    assert sched.refused == {"never_fits": 1, "queue_full": 2}
+    DecodeScheduler(max_batch_size=4, pool=pool).check_handoff("exact", prompt_len=100, max_tokens=29,
+                                                               num_generated=1)  # 128 tokens: fits exactly
+
+
+def test_blocks_of_a_cancelled_request_go_back_at_the_next_schedule():
+    pool = BlockPool(num_blocks=4, block_size=16)
+    sched = DecodeScheduler(max_batch_size=4, pool=pool)
+    request = _sized("r", 40)
+    sched.add(request)
+    sched.schedule(now=0.0)
+    assert pool.num_free == 1
+    sched.finish(request, FinishReason.CANCELLED)  # another thread, mid-step: the blocks stay until then
+    assert pool.num_free == 1
+    plan = sched.schedule(now=0.0)
+    assert plan.left == [request] and pool.num_free == 4 and sched.slots == []

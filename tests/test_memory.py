@@ -1,0 +1,256 @@
+"""The memory model on a real stack (docs/ARCHITECTURE.md, "The memory model"): decode's paged K/V
+pool with a byte budget, admission and preemption by memory, a request that can never fit refused
+before prefill, overload answered with RESOURCE_EXHAUSTED and never an OOM, every answer exact.
+
+The checkpoint is ``tiny-32k`` (tiny layers, a 32,768-token window): 1 KiB of K/V per token, so
+pools of a few MiB are easy to overfill with real requests in seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.workload import PromptMaker
+from epd import client
+from tests.conftest import epd_status, ray_address, serving
+
+KV_PER_TOKEN = 1024  # tiny-32k: one full-attention layer, 2 KV heads of dim 64, K and V, float32
+OVERLOAD_S = float(os.environ.get("EPD_OVERLOAD_S", "40"))  # `make test-slow` style runs may raise it
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory) -> str:
+    from epd.checkpoint import create_checkpoint
+
+    return str(create_checkpoint("tiny-32k", tmp_path_factory.mktemp("ckpt") / "tiny-32k", seed=0, progress=False))
+
+
+@pytest.fixture(scope="module")
+def long_oracle(long_model_dir):
+    from bench.oracle import Oracle
+
+    return Oracle(long_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(long_model_dir) -> PromptMaker:
+    return PromptMaker.from_model_dir(long_model_dir)
+
+
+def _decode_pid(server) -> int:
+    (replica,) = epd_status(ray_address(server))["roles"]["decode"]
+    return replica["pid"]
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's high-water mark of resident memory (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metric(port: int, name: str) -> float:
+    """The sum of a metric's samples on a role's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def _greedy(prompt: str, max_tokens: int, **sampling):
+    return client.user_request(prompt, [], max_tokens=max_tokens, ignore_eos=True, **sampling)
+
+
+POOL_TOKENS = 32768
+
+
+@pytest.fixture(scope="module")
+def long_stack(long_model_dir, tmp_path_factory):
+    port = _free_port()
+    with serving(long_model_dir, "--kv-cache-bytes", str(POOL_TOKENS * KV_PER_TOKEN), "--max-batch-size", "32",
+                 "--request-timeout-s", "600", "--decode-metrics-port", str(port),
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
+        server.decode_metrics = port
+        yield server
+
+
+def test_a_request_near_the_window_among_31_short_ones_in_a_smaller_pool(long_stack, long_oracle, prompts):
+    """31 short requests decode long answers; one 30,000-token prompt arrives among them. Their K/V
+    needs more than the pool holds, so decode admits by memory and preempts (the preempted resume
+    by replay): every request completes, token-identical to transformers, and the decode process
+    never grows past its idle size plus the pool plus a fixed overhead."""
+    addr, pid = long_stack.address, _decode_pid(long_stack)
+    rng = random.Random(7)
+    short = [prompts.make(rng, 100) for _ in range(31)]
+    long_prompt = prompts.make(rng, 30000)
+    short_tokens, long_tokens = 1000, 24  # the short ones alone come to more than the pool
+    # Warm up (threads, allocator arenas, kernels picked at first use), then take the idle size.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: client.generate(addr, _greedy(p, 64), timeout_s=600),
+                      [prompts.make(rng, 2000) for _ in range(8)]))
+    idle_rss = _rss(pid)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        shorts = [pool.submit(client.generate, addr, _greedy(p, short_tokens), timeout_s=600) for p in short]
+        time.sleep(2.0)  # the short ones are decoding when the long one comes
+        long_future = pool.submit(client.generate, addr, _greedy(long_prompt, long_tokens), timeout_s=600)
+        results = [f.result() for f in shorts]
+        long_result = long_future.result()
+    prompt_tokens = sum(r.summary.prompt_tokens for r in results) + long_result.summary.prompt_tokens
+    assert long_result.summary.prompt_tokens > 30000
+    assert prompt_tokens + 31 * short_tokens + long_tokens > POOL_TOKENS  # their sum does not fit
+    assert _metric(long_stack.decode_metrics, "epd_decode_preemptions_total") >= 1, "the pool was never short"
+    assert _metric(long_stack.decode_metrics, "epd_decode_swapped_bytes") == 0  # every swapped state came back
+    # Checked against transformers: the long one and eight short ones, the youngest admitted
+    # (preempted first) among them (all 32 would take minutes of transformers' time).
+    for prompt, result in [(long_prompt, long_result), *zip(short[-6:], results[-6:]), *zip(short[:2], results[:2])]:
+        assert len(result.token_ids) == result.summary.completion_tokens
+        want = long_oracle.generate_through_eos(long_oracle.inputs(prompt, []), len(result.token_ids))
+        assert result.token_ids == want
+    assert all(len(r.token_ids) == short_tokens for r in results)
+    # Peak memory: idle (weights, runtime, warm) + the pool + the waiting handoffs (at most half
+    # the pool, held as received bytes and then as tensors: 2x) + the swap space (the pool's size)
+    # + a fixed 256 MiB (the executor threads' allocator arenas, gRPC buffers). The unpaged batch
+    # this replaced sized all 32 slots to the longest request: ~1 GB more for this one.
+    pool_bytes = POOL_TOKENS * KV_PER_TOKEN
+    bound = idle_rss + pool_bytes + 2 * (pool_bytes // 2) + pool_bytes + 256 * 2**20
+    assert _peak_rss(pid) <= bound, f"decode peaked at {_peak_rss(pid) / 2**20:.0f} MiB, bound {bound / 2**20:.0f}"
+
+
+def test_a_request_that_can_never_fit_is_refused_before_prefill(long_stack, prompts):
+    prompt = prompts.make(random.Random(3), 32000)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate(long_stack.address, _greedy(prompt, 700), timeout_s=120)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"K/V pool holds {POOL_TOKENS}" in caught.value.details()
+    assert "decode.kv_cache_bytes" in caught.value.details()
+    assert time.monotonic() - start < 10  # no 32k-token prefill ran
+    ok = client.generate(long_stack.address, _greedy("still serving?", 4), timeout_s=60)
+    assert len(ok.token_ids) == 4
+
+
+# ---------------------------------------------------------------- overload
+
+
+SMALL_POOL_TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def small_stack(long_model_dir, tmp_path_factory):
+    with serving(long_model_dir, "--kv-cache-bytes", str(SMALL_POOL_TOKENS * KV_PER_TOKEN), "--max-batch-size", "16",
+                 "--max-queued-requests", "12", "--request-timeout-s", "300",
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
+        yield server
+
+
+class HealthProbe:
+    """grpc.health.v1 Check on each address every 50 ms over one channel each; the latencies."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.latencies: dict[str, list[float]] = {a: [] for a in addresses}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._probe, args=(a,), daemon=True) for a in addresses]
+        for thread in self._threads:
+            thread.start()
+
+    def _probe(self, address: str) -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected before timing starts
+            while not self._stop.wait(0.05):
+                start = time.perf_counter()
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                self.latencies[address].append(time.perf_counter() - start)
+
+    def close(self) -> dict[str, float]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=15)
+        return {a: sorted(v)[int(0.99 * (len(v) - 1))] for a, v in self.latencies.items() if v}
+
+
+def test_overload_is_refused_cleanly_and_every_completed_answer_is_exact(small_stack, long_oracle, prompts):
+    """Concurrent requests needing 4x the K/V pool for a while: every one either completes or is
+    refused with RESOURCE_EXHAUSTED; decode preempts (counted), nothing dies, greedy answers match
+    transformers and seeded sampled ones match the same request run alone afterwards; every
+    role answers its health probe within 100 ms at the 99th percentile meanwhile."""
+    addr = small_stack.address
+    status = epd_status(ray_address(small_stack))
+    pids = {role: [r["pid"] for r in replicas] for role, replicas in status["roles"].items()}
+    probe = HealthProbe([r["address"] for role in ("router", "prefill", "decode")
+                         for r in status["roles"][role]])
+    rng = random.Random(11)
+    texts = [prompts.make(rng, 200) for _ in range(6)]
+    answer = 480
+    demand = 24 * (200 + 30 + answer)
+    assert demand >= 4 * SMALL_POOL_TOKENS
+    outcomes: list[tuple[int, bool, client.GenerateResult | None, grpc.StatusCode | None]] = []
+    lock = threading.Lock()
+    end = time.monotonic() + OVERLOAD_S
+
+    def worker(index: int) -> None:
+        turn = 0
+        while time.monotonic() < end:
+            which, sampled = (index + turn) % len(texts), (index + turn) % 2 == 1
+            turn += 1
+            sampling = dict(temperature=0.8, top_p=0.9, seed=which) if sampled else dict(temperature=0.0)
+            try:
+                result = client.generate(addr, _greedy(texts[which], answer, **sampling), timeout_s=300)
+                outcome = (which, sampled, result, None)
+            except grpc.RpcError as error:
+                outcome = (which, sampled, None, error.code())
+                if error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    time.sleep(0.2)
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=OVERLOAD_S + 400)
+    p99 = probe.close()
+    failures = [code for _, _, _, code in outcomes if code is not None and code is not grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert failures == []
+    done = [(which, sampled, result) for which, sampled, result, _ in outcomes if result is not None]
+    assert len(done) >= 24
+    assert sum(r.summary.resumes for _, _, r in done) >= 1, "the pool was never short"
+    after = epd_status(ray_address(small_stack))
+    assert {role: [r["pid"] for r in replicas] for role, replicas in after["roles"].items()} == pids  # nothing died
+    greedy = {which: long_oracle.generate_through_eos(long_oracle.inputs(texts[which], []), answer)
+              for which in {w for w, sampled, _ in done if not sampled}}
+    alone: dict[int, list[int]] = {}
+    for which, sampled, result in done:
+        if not sampled:
+            assert result.token_ids == greedy[which]
+            continue
+        if which not in alone:
+            alone[which] = client.generate(addr, _greedy(texts[which], answer, temperature=0.8, top_p=0.9,
+                                                         seed=which), timeout_s=300).token_ids
+        assert result.token_ids == alone[which]
+    assert p99 and max(p99.values()) < 0.1, f"health probe p99 by address: {p99}"
