@@ -67,7 +67,8 @@ HTTP_STATUS = {
 
 # The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+                413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
+                504: "DEADLINE_EXCEEDED"}
 
 
 class HttpError(Exception):
@@ -241,6 +242,7 @@ class HttpFront:
                          code="invalid_api_key")
 
     async def _read_json(self, request: Request) -> dict:
+        _check_json_type(request)
         length = request.headers.get("content-length", "")
         chunks, size = [], 0
         too_large = length.isdigit() and int(length) > self.max_body
@@ -392,6 +394,19 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+
+def _check_json_type(request: Request) -> None:
+    """A body is read only when it says it is JSON (``application/json``, parameters such as charset
+    allowed). ``text/plain``, form and multipart bodies, or none declared, are what a browser sends
+    cross-site without asking first (no CORS preflight): parsing them as JSON would let any web
+    page spend this server's compute through a visitor's browser."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"Content-Type {declared!r}" if declared else "no Content-Type"
+        raise HttpError(415, f"the request body must be JSON sent as Content-Type: application/json; got {shown}",
+                        code="unsupported_media_type")
 
 
 def _image_url(part: dict, where: str) -> str:
