@@ -74,14 +74,17 @@ class PromptBuilder:
 
         return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels), **limits)
 
-    def build(self, messages, max_pixels: int | None, enable_thinking: bool) -> Prompt:
-        """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem."""
+    def build(self, messages, max_pixels: int | None, enable_thinking: bool, add_generation_prompt: bool = True
+              ) -> Prompt:
+        """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem.
+        ``add_generation_prompt`` False (``POST /tokenize`` may ask) leaves out the assistant header."""
         self._check_limits(messages)
         settings = self.settings.with_max_pixels(max_pixels)
         chat, images = self._to_chat(messages, settings)
         try:
             text = self.tokenizer.apply_chat_template(
-                chat, tokenize=False, add_generation_prompt=True, enable_thinking=bool(enable_thinking)
+                chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                enable_thinking=bool(enable_thinking)
             )
         except TemplateError as error:
             if type(error) is not TemplateError:  # a subclass: the template itself is broken (syntax, undefined)

@@ -112,11 +112,14 @@ def test_request_path_failures_map_to_http_statuses(error, status, kind):
     assert failure.response().headers.get("retry-after") == ("1" if status in (429, 503) else None)
 
 
-def post(front: HttpFront, path: str, body: bytes, content_type: str | None) -> tuple[int, dict]:
+def post(front: HttpFront, path: str, body: bytes, content_type: str | None, key: str | None = None
+         ) -> tuple[int, dict]:
     """One request through the front's ASGI app, in-process: its status and JSON body."""
     headers = [(b"content-length", str(len(body)).encode())]
     if content_type is not None:
         headers.append((b"content-type", content_type.encode()))
+    if key is not None:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
