@@ -18,6 +18,10 @@ import time
 
 from control import flags
 
+# epd.checkpoint.PRESETS' names, kept here so that argparse needs no torch import
+# (tests/test_checkpoint.py checks the two agree).
+PRESET_NAMES = ("tiny", "tiny-32k", "qwen3.5-0.8b")
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -56,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="checkpoints").add_subparsers()
     create = model.add_parser("create", formatter_class=_Formatter,
                               help="write a checkpoint with random weights in the real architecture")
-    create.add_argument("--preset", required=True, choices=["tiny", "qwen3.5-0.8b"])
+    create.add_argument("--preset", required=True, choices=sorted(PRESET_NAMES))
     create.add_argument("--out", required=True, help="directory to write")
     create.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="seed of the random weights")
     create.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")

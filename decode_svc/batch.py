@@ -1,96 +1,146 @@
-"""The decode batch's tensors: every decoding request's state in shared slot buffers.
+"""The decode batch's tensors: paged K/V and per-slot linear-attention state, allocated once.
 
-``DecodeBatch`` owns storage only; which request sits in which slot is ``DecodeScheduler``'s
-bookkeeping, and this class does what it is told: copy a state into the next slot, move a slot
-onto another, drop the trailing slots. ``TextModelRunner.decode_step`` runs one batched step over it.
+``DecodeBatch`` owns storage only; which request sits in which slot, and which K/V blocks it
+holds, is ``DecodeScheduler``'s bookkeeping (with a ``BlockPool``), and this class does what it is
+told: copy a state into the next slot and its blocks, move a slot onto another, drop the trailing
+slots. ``TextModelRunner.decode_step`` runs one batched step over it.
+
+Memory (docs/ARCHITECTURE.md, "The memory model"):
+- full-attention K/V: per layer one pool ``[(num_blocks + 1) * block_size, kv_heads, head_dim]`` of
+  token rows (the last block is all zeros: padding points at it); a slot's block table maps its
+  token ``t`` to row ``table[t // block_size] * block_size + t % block_size``. Nothing here is sized
+  by the longest request: a 100k-token request holds 100k tokens' rows, the others their own.
+- Gated DeltaNet conv and recurrent state: fixed-size per request, so per layer one buffer
+  ``[max_slots, ...]``; the active slots are the leading rows (a view, never a copy).
+Both are allocated with ``torch.empty`` (pages are touched as they are first written), so the
+process grows to the budget with use, never past it. Unused rows are never read unmasked: a
+block's rows past a slot's length are masked in attention and zeroed when the block is taken.
 """
 
 from __future__ import annotations
 
 import torch
 
+from decode_svc.blocks import BlockPool
 from epd.lm import HybridState, TextModelRunner
 
 
 class DecodeBatch:
-    """Many requests' decode state in shared buffers, one slot per request, slots 0..len-1 in use.
+    """Many requests' decode state, one slot per request, slots ``0..len-1`` in use."""
 
-    Full-attention layers keep ``[capacity, kv_heads, max_len, head_dim]`` K/V buffers; a slot's
-    tokens fill the front of its row and the rest is masked out. Linear-attention layers keep the
-    conv and recurrent states stacked ``[capacity, ...]``, so the active slots are always the
-    leading rows of every buffer (a view, never a copy). Buffers grow by doubling and are dropped
-    when the batch empties.
-    """
-
-    _LEN_ALIGN = 64
-
-    def __init__(self, runner: TextModelRunner) -> None:
+    def __init__(self, runner: TextModelRunner, max_slots: int = 32, pool: BlockPool | None = None,
+                 kv_tokens: int = 0, block_size: int = 16) -> None:
+        """``pool``: the allocator whose ids index this batch's K/V (the scheduler shares it);
+        without one, a private pool of ``kv_tokens`` tokens (default: 2048 per slot), which
+        ``add`` and ``reserve`` draw on themselves (tests and benchmarks)."""
         self.runner = runner
+        self.max_slots = max_slots
+        self.pool = pool or BlockPool(-(-(kv_tokens or 2048 * max_slots) // block_size), block_size)
+        self._own_pool = pool is None
+        self.block_size = self.pool.block_size
         self.lengths: list[int] = []
-        self.keys: list[torch.Tensor | None] = []
-        self.values: list[torch.Tensor | None] = []
-        self.conv: list[torch.Tensor | None] = []
-        self.recurrent: list[torch.Tensor | None] = []
-        self._capacity = 0
-        self._max_len = 0
+        self.tables: list[list[int]] = []  # slot -> block ids (the scheduler's lists, shared)
+        self._null_block = self.pool.num_blocks  # one zero block past the pool's: what padding reads
+        rows = (self.pool.num_blocks + 1) * self.block_size
+        self.keys: list[torch.Tensor | None] = [None] * runner.num_layers  # [rows, kv_heads, head_dim]
+        self.values: list[torch.Tensor | None] = [None] * runner.num_layers
+        self.conv: list[torch.Tensor | None] = [None] * runner.num_layers  # [max_slots, conv_dim, kernel]
+        self.recurrent: list[torch.Tensor | None] = [None] * runner.num_layers  # [max_slots, v_heads, k, v] float32
+        device = runner.device
+        for name, shape in runner.state_shapes(1).items():
+            kind, layer = name.split(".")
+            layer = int(layer)
+            dtype = runner.state_dtype(name)
+            if kind in ("keys", "values"):
+                _, heads, _, dim = shape
+                pool_rows = torch.empty(rows, heads, dim, dtype=dtype, device=device)
+                pool_rows[self._null_block * self.block_size:].zero_()
+                getattr(self, kind)[layer] = pool_rows
+            else:
+                getattr(self, kind)[layer] = torch.empty(max_slots, *shape[1:], dtype=dtype, device=device)
+        self._step: _StepIndex | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent) if t is not None)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return self.kv_bytes() + self.slot_bytes()
 
     @torch.inference_mode()
-    def add(self, state: HybridState) -> int:
-        """Copy ``state`` into a new slot (the next one); returns its index.
+    def add(self, state: HybridState, blocks: list[int] | None = None) -> int:
+        """Copy ``state`` into the next slot; its K/V goes into ``blocks`` (which must hold the
+        state's tokens; with a private pool they are taken here). Returns the slot.
 
         The state is checked against the model first (``TextModelRunner.check_state``), so a
-        corrupt or forged handoff is refused before any buffer is sized from it; a failed add
-        leaves the batch as it was."""
+        corrupt or forged handoff is refused before anything is written; a failed add leaves the
+        batch as it was."""
         self.runner.check_state(state)
-        if not self.lengths:
-            self._allocate(state, capacity=4, max_len=state.num_tokens + self._LEN_ALIGN)
-        slot = len(self.lengths)
-        if slot == self._capacity:
-            self._grow(capacity=self._capacity * 2)
-        if state.num_tokens + 1 > self._max_len:
-            self._grow(max_len=state.num_tokens + self._LEN_ALIGN)
+        if len(self.lengths) >= self.max_slots:
+            raise ValueError(f"the decode batch has all {self.max_slots} slots in use")
         length = state.num_tokens
+        if blocks is None:
+            blocks = self.pool.allocate(self.pool.blocks_for(length + 1))
+        if len(blocks) * self.block_size < length:
+            raise ValueError(f"{len(blocks)} K/V blocks cannot hold a {length}-token state")
+        self._step = None
+        slot = len(self.lengths)
+        rows = self._rows(blocks, 0, length)
+        tail = self._block_tail(blocks, length)
         for layer in range(self.runner.num_layers):
             if self.keys[layer] is not None:
-                self.keys[layer][slot, :, :length] = state.keys[layer][0]
-                self.values[layer][slot, :, :length] = state.values[layer][0]
+                for pool, src in ((self.keys[layer], state.keys[layer]), (self.values[layer], state.values[layer])):
+                    pool.index_copy_(0, rows, src[0].transpose(0, 1))
+                    if tail is not None:
+                        pool[tail] = 0
             else:
                 self.conv[layer][slot] = state.conv[layer][0]
                 self.recurrent[layer][slot] = state.recurrent[layer][0]
         self.lengths.append(length)
+        self.tables.append(blocks)
         return slot
 
     @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s state over slot ``dst`` (``dst`` is being freed)."""
-        for tensor in self._tensors():
-            tensor[dst] = tensor[src]
+        """Slot ``src``'s request takes slot ``dst`` (being freed): its linear state is copied, its
+        K/V stays where it is (only the block table moves)."""
+        self._step = None
+        for group in (self.conv, self.recurrent):
+            for tensor in group:
+                if tensor is not None:
+                    tensor[dst] = tensor[src]
+        if self._own_pool:
+            self.pool.free(self.tables[dst])
         self.lengths[dst] = self.lengths[src]
+        self.tables[dst], self.tables[src] = self.tables[src], []
 
     def truncate(self, size: int) -> None:
-        """Keep slots ``0..size-1``; the buffers are freed when nothing is left."""
+        """Keep slots ``0..size-1``. With a private pool the dropped slots' blocks go back to it."""
         if not 0 <= size <= len(self.lengths):
             raise IndexError(f"cannot truncate a batch of {len(self.lengths)} to {size}")
+        self._step = None
+        if self._own_pool:
+            for table in self.tables[size:]:
+                self.pool.free(table)
         del self.lengths[size:]
-        if not self.lengths:
-            self._release()
+        del self.tables[size:]
 
     @torch.inference_mode()
     def state_of(self, slot: int) -> HybridState:
         """A copy of one slot's state as a standalone HybridState (tests and debugging)."""
         length = self.lengths[slot]
+        rows = self._rows(self.tables[slot], 0, length)
         state = HybridState.empty(self.runner.num_layers)
         state.num_tokens = length
         for layer in range(self.runner.num_layers):
             if self.keys[layer] is not None:
-                state.keys[layer] = self.keys[layer][slot : slot + 1, :, :length].clone()
-                state.values[layer] = self.values[layer][slot : slot + 1, :, :length].clone()
+                state.keys[layer] = self.keys[layer].index_select(0, rows).transpose(0, 1).unsqueeze(0).contiguous()
+                state.values[layer] = self.values[layer].index_select(0, rows).transpose(0, 1).unsqueeze(0).contiguous()
             else:
                 state.conv[layer] = self.conv[layer][slot : slot + 1].clone()
                 state.recurrent[layer] = self.recurrent[layer][slot : slot + 1].clone()
@@ -98,75 +148,91 @@ class DecodeBatch:
 
     # ------------------------------------------------------------ used by decode_step (epd.lm.BatchBuffers)
 
-    @torch.inference_mode()
     def reserve(self, extra: int) -> None:
-        needed = max(self.lengths) + extra
-        if needed > self._max_len:
-            self._grow(max_len=needed)
+        """Make sure every slot's table holds its next ``extra`` tokens. The scheduler gives each
+        running request the block its next token needs before a step; with a private pool the
+        batch takes it here."""
+        for slot, length in enumerate(self.lengths):
+            table = self.tables[slot]
+            need = self.pool.blocks_for(length + extra)
+            if need > len(table):
+                if not self._own_pool:
+                    raise RuntimeError(f"slot {slot} holds {len(table)} K/V blocks; its next token needs {need}")
+                table.extend(self.pool.allocate(need - len(table)))
+                self._step = None
 
     def lengths_tensor(self) -> torch.Tensor:
         return torch.tensor(self.lengths, dtype=torch.long, device=self.runner.device)
 
     def advance(self) -> None:
         self.lengths = [length + 1 for length in self.lengths]
+        self._step = None
 
-    # ------------------------------------------------------------ buffers
+    @torch.inference_mode()
+    def attend_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """One decode step of full-attention layer ``layer``: store each slot's new ``key``/``value``
+        (``[slots, kv_heads, 1, head_dim]``) at its length, and return what each slot attends over:
+        keys and values ``[slots, kv_heads, T, head_dim]`` (gathered through the block tables, T the
+        longest slot's tokens) and a boolean mask ``[slots, 1, 1, T]``, or None when no slot is
+        shorter than T."""
+        step = self._step_index()
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(0, step.write, key[:, :, 0])
+        values.index_copy_(0, step.write, value[:, :, 0])
+        size, longest = len(self.lengths), step.longest
+        gathered = [pool.index_select(0, step.read).view(size, longest, *pool.shape[1:]).transpose(1, 2)
+                    for pool in (keys, values)]
+        return gathered[0], gathered[1], step.mask
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for group in (self.keys, self.values, self.conv, self.recurrent) for t in group if t is not None]
+    # ------------------------------------------------------------ rows
 
-    def _allocate(self, like: HybridState, capacity: int, max_len: int) -> None:
-        max_len = self._align(max_len)
-        num_layers = self.runner.num_layers
-        keys, values, conv, recurrent = ([None] * num_layers for _ in range(4))
-        for layer in range(num_layers):
-            if like.keys[layer] is not None:
-                _, heads, _, dim = like.keys[layer].shape
-                keys[layer] = like.keys[layer].new_zeros(capacity, heads, max_len, dim)
-                values[layer] = like.values[layer].new_zeros(capacity, heads, max_len, dim)
-            else:
-                conv[layer] = like.conv[layer].new_zeros(capacity, *like.conv[layer].shape[1:])
-                # float32 whatever the model dtype, as transformers' recurrent rule keeps it
-                recurrent[layer] = like.recurrent[layer].new_zeros(
-                    capacity, *like.recurrent[layer].shape[1:], dtype=torch.float32)
-        self.keys, self.values, self.conv, self.recurrent = keys, values, conv, recurrent
-        self._capacity, self._max_len = capacity, max_len
+    def _step_index(self) -> _StepIndex:
+        """The rows this step writes and reads, computed once per step (shared by every layer).
+        A block's first token also zeroes the block's other rows, so nothing stale is ever read."""
+        if self._step is not None:
+            return self._step
+        bs, device = self.block_size, self.runner.device
+        longest = max(self.lengths) + 1
+        width = -(-longest // bs)
+        table = torch.full((len(self.tables), width), self._null_block, dtype=torch.long)
+        for slot, blocks in enumerate(self.tables):
+            used = min(len(blocks), width)
+            table[slot, :used] = torch.tensor(blocks[:used], dtype=torch.long)
+        table = table.to(device)
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        slots = torch.arange(len(self.lengths), device=device)
+        current = table[slots, lengths // bs]
+        write = current * bs + lengths % bs
+        fresh = current[lengths % bs == 0]
+        if fresh.numel():
+            zero = (fresh[:, None] * bs + torch.arange(bs, device=device)).flatten()
+            for pool in (*self.keys, *self.values):
+                if pool is not None:
+                    pool[zero] = 0
+        read = (table[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)[:, :longest].flatten()
+        mask = None
+        if min(self.lengths) + 1 != longest:  # ragged: hide each slot's unused tail
+            mask = (torch.arange(longest, device=device) <= lengths[:, None]).view(len(self.lengths), 1, 1, longest)
+        self._step = _StepIndex(write, read, longest, mask)
+        return self._step
 
-    def _grow(self, capacity: int | None = None, max_len: int | None = None) -> None:
-        """Bigger buffers, built completely before any replaces the old ones: an allocation that
-        fails part-way leaves every layer as it was."""
-        new_capacity = max(capacity or 0, self._capacity)
-        new_len = self._max_len
-        if max_len is not None and max_len > self._max_len:
-            new_len = self._align(max(max_len, self._max_len * 2))
-        used = len(self.lengths)
-        grown: dict[str, list[torch.Tensor | None]] = {}
-        for kind in ("keys", "values"):
-            grown[kind] = []
-            for tensor in getattr(self, kind):
-                if tensor is None:
-                    grown[kind].append(None)
-                    continue
-                bigger = tensor.new_zeros(new_capacity, tensor.shape[1], new_len, tensor.shape[3])
-                bigger[:used, :, : self._max_len] = tensor[:used]
-                grown[kind].append(bigger)
-        for kind in ("conv", "recurrent"):
-            grown[kind] = []
-            for tensor in getattr(self, kind):
-                if tensor is None or new_capacity == self._capacity:
-                    grown[kind].append(tensor)
-                    continue
-                bigger = tensor.new_zeros(new_capacity, *tensor.shape[1:])
-                bigger[:used] = tensor[:used]
-                grown[kind].append(bigger)
-        for kind, tensors in grown.items():
-            setattr(self, kind, tensors)
-        self._capacity, self._max_len = new_capacity, new_len
+    def _rows(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
+        """Pool rows of tokens ``start..stop-1`` of a slot holding ``blocks``."""
+        bs = self.block_size
+        table = torch.tensor(blocks[: -(-stop // bs)], dtype=torch.long)
+        rows = (table[:, None] * bs + torch.arange(bs)).flatten()[start:stop]
+        return rows.to(self.runner.device)
 
-    def _release(self) -> None:
-        self.keys, self.values, self.conv, self.recurrent = [], [], [], []
-        self._capacity = self._max_len = 0
+    def _block_tail(self, blocks: list[int], length: int) -> torch.Tensor | None:
+        """Rows of ``blocks`` past ``length`` tokens (zeroed when a state is added)."""
+        end = len(blocks) * self.block_size
+        if end == length:
+            return None
+        return self._rows(blocks, length, end)
 
-    @classmethod
-    def _align(cls, length: int) -> int:
-        return -(-length // cls._LEN_ALIGN) * cls._LEN_ALIGN
+
+class _StepIndex:
+    __slots__ = ("write", "read", "longest", "mask")
+
+    def __init__(self, write: torch.Tensor, read: torch.Tensor, longest: int, mask: torch.Tensor | None) -> None:
+        self.write, self.read, self.longest, self.mask = write, read, longest, mask

@@ -1,15 +1,19 @@
 """Decode: one loop thread that steps every running request together and publishes the tokens.
 
-``DecodeEngine`` owns the runner, the ``DecodeBatch`` (tensors) and the loop; ``DecodeScheduler``
-(bookkeeping) decides who is admitted, who sits in which slot and who is done. Continuous
-batching: between two steps, finished requests leave the batch and handed-off ones join it; each
-step then runs one batched forward for every request in it (``TextModelRunner.decode_step``),
-samples each row with the request's own settings and publishes the tokens. A handoff is decoded
-as soon as it arrives, so tokens are ready when the router claims the stream.
+``DecodeEngine`` owns the runner, the ``DecodeBatch`` (tensors: the paged K/V pool and the
+linear-state slots, both allocated once at start) and the loop; ``DecodeScheduler`` (bookkeeping,
+with the ``BlockPool``) decides who is admitted, who is preempted, who sits in which slot and who
+is done, and returns that as one ``StepPlan`` per step, which ``_apply`` carries out. Continuous
+batching: between two steps, finished requests leave the batch and handed-off ones join it while
+their K/V blocks fit; each step then runs one batched forward for every request in it
+(``TextModelRunner.decode_step``), samples each row with the request's own settings and publishes
+the tokens. A handoff is decoded as soon as it arrives, so tokens are ready when the router claims
+the stream.
 
 Every change of a request's status happens under the engine's lock, admission included (the
 state is copied into its slot while the lock is held), so a cancel can never be overwritten by
-an admission running beside it. Only the forward itself runs outside the lock.
+an admission running beside it. Only the forward itself runs outside the lock. Blocks are only
+ever freed and handed out by the loop thread, between steps.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from decode_svc.batch import DecodeBatch
-from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, TokenEvent
+from decode_svc.blocks import BlockPool
+from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
 from epd.config import DecodeConfig
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
@@ -38,8 +43,17 @@ class DecodeEngine:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.config = config
-        self.scheduler = DecodeScheduler(config.max_batch_size)
-        self._batch = DecodeBatch(runner)  # owned by the loop thread, changed under the lock
+        self.pool = BlockPool(kv_pool_blocks(runner, config), config.kv_block_tokens)
+        self.scheduler = DecodeScheduler(
+            config.max_batch_size, self.pool,
+            max_waiting_tokens=config.max_waiting_tokens or max(1, self.pool.capacity_tokens // 4),
+            max_waiting_requests=config.max_waiting_requests or config.max_batch_size)
+        # owned by the loop thread, changed under the lock
+        self._batch = DecodeBatch(runner, max_slots=config.max_batch_size, pool=self.pool)
+        log.info("decode K/V pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%.1f KiB a token); "
+                 "linear-attention state: %d slots, %.1f MiB", self.pool.num_blocks, self.pool.block_size,
+                 self.pool.capacity_tokens, self._batch.kv_bytes() / 2**20, runner.kv_bytes_per_token() / 1024,
+                 config.max_batch_size, self._batch.slot_bytes() / 2**20)
         self.steps = 0
         self.batch_sizes_total = 0  # sum of batch sizes over steps: mean batch = this / steps
         self.largest_batch = 0
@@ -50,6 +64,26 @@ class DecodeEngine:
         self._thread.start()
 
     # ------------------------------------------------------------ called by the server's threads
+
+    def check_handoff(self, request_id: str, prompt_len: int, max_tokens: int, num_generated: int) -> None:
+        """Before a handoff's bytes arrive: ValueError if it could never fit this worker's K/V
+        pool, ``errors.ResourceExhausted`` if the waiting queue is full (``DecodeScheduler.check_handoff``);
+        otherwise its place is held until ``submit`` or ``release``."""
+        with self._lock:
+            self.scheduler.check_handoff(request_id, prompt_len, max_tokens, num_generated)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self.scheduler.release(request_id)
+
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    def kv_usage(self) -> dict[str, float]:
+        """The K/V pool now: blocks used and in all, the fraction used, tokens it holds in all."""
+        with self._lock:
+            return {"blocks_used": self.pool.num_used, "blocks": self.pool.num_blocks, "usage": self.pool.usage(),
+                    "capacity_tokens": self.pool.capacity_tokens, "preemptions": self.scheduler.preemptions}
 
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
                sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1) -> None:
@@ -66,6 +100,7 @@ class DecodeEngine:
             lease_deadline=now + self.config.handoff_lease_s,
             deadline=now + max(0.0, deadline_unix - time.time()) if deadline_unix else float("inf"),
             num_generated=num_generated,
+            resumed=num_generated > 1,
         )
         with self._lock:
             self.scheduler.add(request)
@@ -93,14 +128,33 @@ class DecodeEngine:
 
     def metrics(self) -> list[Family]:
         with self._lock:
-            running, waiting = len(self.scheduler.slots), self.scheduler.num_waiting()
+            running = len(self.scheduler.slots)
+            waiting = self.scheduler.waiting_by_reason()
             finished = dict(self.scheduler.finished)
+            refused = dict(self.scheduler.refused)
+            used, total, preemptions = self.pool.num_used, self.pool.num_blocks, self.scheduler.preemptions
         family = counter("epd_decode_requests_finished_total", "Requests decode finished, by reason", "reason")
         for reason, count in sorted(finished.items()):
             family.add(count, reason)
+        waiting_family = gauge("epd_decode_waiting_requests", "Handed-off requests waiting for the batch, by what "
+                               "holds them (a free slot, or K/V memory)", "reason")
+        for reason, count in sorted(waiting.items()):
+            waiting_family.add(count, reason)
+        refused_family = counter("epd_decode_handoffs_refused_total", "Handoffs refused before their bytes were read, "
+                                 "by reason (queue_full: RESOURCE_EXHAUSTED; never_fits: INVALID_ARGUMENT)", "reason")
+        for reason in ("queue_full", "never_fits"):
+            refused_family.add(refused.get(reason, 0), reason)
         return [
             gauge("epd_decode_running_requests", "Requests in the decode batch").add(running),
-            gauge("epd_decode_waiting_requests", "Handed-off requests waiting for a slot in the batch").add(waiting),
+            waiting_family,
+            refused_family,
+            gauge("epd_decode_kv_blocks_used", "K/V blocks requests hold").add(used),
+            gauge("epd_decode_kv_blocks_free", "K/V blocks free").add(total - used),
+            gauge("epd_decode_kv_cache_usage_ratio", "Fraction of the K/V pool in use (vllm:kv_cache_usage_perc)")
+            .add(used / total),
+            gauge("epd_decode_kv_capacity_tokens", "Tokens the K/V pool holds in all").add(self.pool.capacity_tokens),
+            counter("epd_decode_preemptions_total", "Requests preempted to free K/V blocks (they resume by replay)")
+            .add(preemptions),
             counter("epd_decode_steps_total", "Batched decode steps").add(self.steps),
             counter("epd_decode_batch_rows_total", "Rows over all decode steps (mean batch = this / steps)")
             .add(self.batch_sizes_total),
@@ -136,26 +190,27 @@ class DecodeEngine:
                 self._publish(members, logits)
 
     def _prepare_step(self) -> bool:
-        """Under the lock: expire, drop finished requests, admit waiting ones. True when there is a
-        batch to step."""
-        now = time.monotonic()
-        self.scheduler.expire(now)
-        self.scheduler.reap(now)
-        self._compact()
-        for request in self.scheduler.admit():
+        """Under the lock: plan the step and carry the plan out. True when there is a batch to step."""
+        self._apply(self.scheduler.schedule(time.monotonic()))
+        return bool(self.scheduler.slots)
+
+    def _apply(self, plan: StepPlan) -> None:
+        """The one place a scheduling decision reaches the tensors: slot moves, the slots dropped,
+        the admitted states copied into their slots and blocks."""
+        for request in plan.preempted:
+            log.info("decode preempted %s after %d tokens to free K/V blocks (%d of %d used); it resumes by replay",
+                     request.request_id, request.num_generated, self.pool.num_used, self.pool.num_blocks)
+        for src, dst in plan.moves:
+            self._batch.move(src, dst)
+        self._batch.truncate(len(self.scheduler.slots) - len(plan.admitted))
+        for request in plan.admitted:
             try:
-                self._batch.add(request.state)
+                self._batch.add(request.state, request.blocks)
             except Exception as error:  # noqa: BLE001 - a malformed state fails its own request only
                 log.warning("decode refused the state of %s: %s", request.request_id, error)
                 self.scheduler.reject(request)
                 continue
             request.state = None  # the batch holds it now
-        return bool(self.scheduler.slots)
-
-    def _compact(self) -> None:
-        for src, dst in self.scheduler.compact():
-            self._batch.move(src, dst)
-        self._batch.truncate(len(self.scheduler.slots))
 
     def _forward(self, members: list[DecodeRequest]) -> torch.Tensor:
         tokens = [r.last_token for r in members]
@@ -183,3 +238,30 @@ class DecodeEngine:
             request.publish(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
             if reason is not None:
                 self.scheduler.finish(request, reason)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a new allocation could take now: the GPU's free memory on CUDA, host RAM otherwise."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def kv_pool_blocks(runner: TextModelRunner, config: DecodeConfig) -> int:
+    """How many K/V blocks the pool has: ``kv_cache_bytes``, or a share of the memory available
+    now (the weights are loaded), never more than ``max_batch_size`` requests at the model's whole
+    window could use. Raises ValueError when the budget holds less than one block."""
+    per_token = runner.kv_bytes_per_token()
+    budget = config.kv_cache_bytes
+    if not budget:
+        fraction = config.kv_cache_memory_fraction or (0.8 if runner.device.type == "cuda" else 0.25)
+        budget = int(available_memory(runner.device) * fraction)
+    window = runner.model.config.max_position_embeddings
+    tokens = min(budget // per_token, config.max_batch_size * window)
+    blocks = tokens // config.kv_block_tokens
+    if blocks < 1:
+        raise ValueError(f"decode: a K/V budget of {budget} bytes holds no {config.kv_block_tokens}-token block "
+                         f"({per_token} bytes a token); raise decode.kv_cache_bytes")
+    return int(blocks)

@@ -1,10 +1,19 @@
 """Decode bookkeeping, plain Python (no tensors): which requests exist, which run in which slot of
-the batch, whose lease or deadline ran out, and why each one finished.
+the batch, which K/V blocks each holds, whose lease or deadline ran out, and why each one finished.
 
-One ``DecodeRequest`` per handed-off request, with an explicit ``RequestStatus``. The scheduler
-decides admission (up to ``max_batch_size`` requests decode together; the rest wait, oldest
-first) and the slot mapping (``slots[i]`` is the request in batch slot ``i``; a leaving request's
-slot is filled by the last one). ``DecodeEngine`` applies the same moves to the tensors.
+One ``DecodeRequest`` per handed-off request, with an explicit ``RequestStatus``. Before every step
+``schedule`` returns one ``StepPlan``, as vLLM v1's ``SchedulerOutput``: the requests that left,
+the ones preempted to free K/V, the slot moves, and the ones admitted. ``DecodeEngine`` applies it
+to the tensors in one place.
+
+Memory (with a ``BlockPool``): a running request holds the blocks of every token it has plus the
+one its next token is written to. A handed-off request is admitted (oldest first; resumed ones
+before new ones) only while a slot is free and its blocks fit; when a running request needs a new
+block and none is free, the most recently admitted request is preempted: its blocks go back, its
+stream ends with ``FinishReason.PREEMPTED`` and the router resumes it by replaying the prompt and
+the tokens it already has (the path a decode worker's death takes). A handoff is queued only while
+the waiting ones hold fewer than ``max_waiting_tokens`` tokens, and one that could never fit the
+pool is refused at once (``check_handoff``).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from decode_svc.blocks import BlockPool
+from epd import errors
 from epd.positions import decode_position
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenLogprobs
@@ -55,6 +66,14 @@ class DecodeRequest:
     pending: list[TokenEvent] = field(default_factory=list)
     arrival: int = 0
     steps: int = 0  # decode steps run here: the state holds prompt_len + steps tokens
+    blocks: list[int] = field(default_factory=list)  # its K/V block table while it decodes
+    admitted: int = -1  # admission order (the youngest is preempted first)
+    resumed: bool = False  # it had produced tokens elsewhere before (a replay after a preemption or a death)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens its K/V holds."""
+        return self.prompt_len + self.steps
 
     @property
     def position(self) -> int:
@@ -77,19 +96,128 @@ class DecodeRequest:
         self.sink = sink
 
 
+@dataclass
+class StepPlan:
+    """What changes before one decode step, in the order the engine applies it."""
+
+    left: list[DecodeRequest] = field(default_factory=list)  # finished since the last step: out of the batch
+    preempted: list[DecodeRequest] = field(default_factory=list)  # taken out to free K/V blocks
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) slot moves, in order
+    admitted: list[DecodeRequest] = field(default_factory=list)  # join at the end, in this order
+    blocks_taken: int = 0  # K/V blocks handed out for this step (admissions and growth)
+    size: int = 0  # the batch size after the plan
+
+
 class DecodeScheduler:
-    def __init__(self, max_batch_size: int) -> None:
+    def __init__(self, max_batch_size: int, pool: BlockPool | None = None, max_waiting_tokens: int = 0,
+                 max_waiting_requests: int = 0) -> None:
+        """``pool``: the K/V block allocator (none: no memory accounting, for bookkeeping tests);
+        ``max_waiting_tokens`` / ``max_waiting_requests``: bounds on the handed-off requests
+        waiting for the batch (0: none)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
+        self.pool = pool
+        self.max_waiting_tokens = max_waiting_tokens
+        self.max_waiting_requests = max_waiting_requests
         self.requests: dict[str, DecodeRequest] = {}
         self.slots: list[DecodeRequest] = []  # slots[i] decodes in batch slot i
         self.finished: Counter[str] = Counter()  # requests by finish reason, ever
+        self.preemptions = 0
+        self.refused: Counter[str] = Counter()  # handoffs refused, by reason
         self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+        self._reserved: dict[str, int] = {}  # handoffs being received: their tokens, held against the bound
+
+    # ------------------------------------------------------------ memory
+
+    def tokens_needed(self, prompt_len: int, max_tokens: int, num_generated: int) -> int:
+        """The most K/V tokens a request can come to hold here: its state plus every token it may
+        still feed (the last token it samples is never fed)."""
+        return prompt_len + max(0, max_tokens - max(1, num_generated))
+
+    def check_handoff(self, request_id: str, prompt_len: int, max_tokens: int, num_generated: int) -> None:
+        """Before a handoff's bytes are received: refuse one that could never fit the pool
+        (``ValueError``: INVALID_ARGUMENT) or that the waiting queue has no room for
+        (``errors.ResourceExhausted``); otherwise hold its tokens against the bound until
+        ``add`` (or ``release``)."""
+        if self.pool is not None:
+            need = self.tokens_needed(prompt_len, max_tokens, num_generated)
+            if self.pool.blocks_for(need) > self.pool.num_blocks:
+                self.refused["never_fits"] += 1
+                raise ValueError(f"decode: the request needs K/V for {need} tokens ({prompt_len} in its prompt); this "
+                                 f"decode worker's pool holds {self.pool.capacity_tokens} (decode.kv_cache_bytes)")
+        waiting = [r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF]
+        count = len(waiting) + len(self._reserved)
+        tokens = sum(r.prompt_len for r in waiting) + sum(self._reserved.values())
+        if self.max_waiting_requests and count >= self.max_waiting_requests:
+            self.refused["queue_full"] += 1
+            raise errors.ResourceExhausted(f"decode: {count} handed-off requests already wait for the batch "
+                                           f"(decode.max_waiting_requests {self.max_waiting_requests})")
+        if self.max_waiting_tokens and count and tokens + prompt_len > self.max_waiting_tokens:
+            self.refused["queue_full"] += 1
+            raise errors.ResourceExhausted(f"decode: the handed-off requests waiting for the batch hold {tokens} "
+                                           f"tokens (decode.max_waiting_tokens {self.max_waiting_tokens})")
+        self._reserved[request_id] = prompt_len
+
+    def release(self, request_id: str) -> None:
+        """A handoff checked by ``check_handoff`` that never arrived (its stream broke)."""
+        self._reserved.pop(request_id, None)
+
+    def schedule(self, now: float) -> StepPlan:
+        """The plan for the next step: expire leases and deadlines, take finished requests out
+        (their blocks go back), give every running request the block its next token needs
+        (preempting the youngest when none is free), move slots, admit what fits."""
+        self.expire(now)
+        plan = StepPlan()
+        plan.left = [r for r in self.slots if r.status is RequestStatus.FINISHED]
+        for request in plan.left:
+            self._free_blocks(request)
+        plan.preempted, plan.blocks_taken = self._grow()
+        plan.moves = self.compact()
+        if not plan.preempted:  # memory ran short this step: let the running ones go on first
+            plan.admitted = self.admit()
+            plan.blocks_taken += sum(len(r.blocks) for r in plan.admitted)
+        self.reap(now)
+        plan.size = len(self.slots)
+        return plan
+
+    def _grow(self) -> tuple[list[DecodeRequest], int]:
+        preempted: list[DecodeRequest] = []
+        taken = 0
+        if self.pool is None:
+            return preempted, taken
+        for request in sorted(self.slots, key=lambda r: r.admitted):
+            if request.status is RequestStatus.FINISHED:
+                continue
+            need = self.pool.blocks_for(request.num_tokens + 1) - len(request.blocks)
+            while need > 0 and self.pool.num_free < need:
+                victims = [r for r in self.slots if r.status is not RequestStatus.FINISHED]
+                victim = max(victims, key=lambda r: r.admitted)
+                if victim is request and len(victims) == 1:
+                    # Alone and still too big: check_handoff keeps this from happening.
+                    self.finish(request, FinishReason.ERROR)
+                    break
+                self.preemptions += 1
+                self.finish(victim, FinishReason.PREEMPTED)
+                self._free_blocks(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.FINISHED or need <= 0:
+                continue
+            request.blocks.extend(self.pool.allocate(need))
+            taken += need
+        return preempted, taken
+
+    def _free_blocks(self, request: DecodeRequest) -> None:
+        if self.pool is not None and request.blocks:
+            self.pool.free(request.blocks)
 
     # ------------------------------------------------------------ arrivals and streams
 
     def add(self, request: DecodeRequest) -> None:
+        self._reserved.pop(request.request_id, None)
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} was already handed off")
         request.arrival = next(self._arrivals)
@@ -135,14 +263,24 @@ class DecodeScheduler:
         return moves
 
     def admit(self) -> list[DecodeRequest]:
-        """Handed-off requests that join the batch now, oldest first, while slots are free; each
-        is DECODING from here on and takes the next slot (``slots[-len(result):]``)."""
-        free = self.max_batch_size - len(self.slots)
+        """Handed-off requests that join the batch now, while slots are free and (with a pool)
+        their blocks fit: resumed requests first, then oldest first, never skipping one that does
+        not fit yet (a long prompt is not starved by short ones). Each is DECODING from here on,
+        holds its blocks and takes the next slot (``slots[-len(result):]``)."""
         waiting = [r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF]
-        joining = sorted(waiting, key=lambda r: r.arrival)[: max(0, free)]
-        for request in joining:
+        joining = []
+        for request in sorted(waiting, key=lambda r: (not r.resumed, r.arrival)):
+            if len(self.slots) >= self.max_batch_size:
+                break
+            if self.pool is not None:
+                need = self.pool.blocks_for(request.num_tokens + 1)
+                if need > self.pool.num_free:
+                    break
+                request.blocks = self.pool.allocate(need)
             request.status = RequestStatus.DECODING
+            request.admitted = next(self._admissions)
             self.slots.append(request)
+            joining.append(request)
         return joining
 
     def reject(self, request: DecodeRequest) -> None:
@@ -151,6 +289,7 @@ class DecodeScheduler:
         move up one slot."""
         self.slots.remove(request)
         self.finish(request, FinishReason.ERROR)
+        self._free_blocks(request)
 
     # ------------------------------------------------------------ after a step
 
@@ -172,7 +311,7 @@ class DecodeScheduler:
         request.finish_reason = reason
         request.state = None
         self.finished[reason.value] += 1
-        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
+        if reason in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR, FinishReason.PREEMPTED):
             request.publish(TokenEvent(token_id=-1, logprobs=None, finish_reason=reason))
 
     def reap(self, now: float) -> None:
@@ -192,6 +331,18 @@ class DecodeScheduler:
 
     def num_waiting(self) -> int:
         return sum(r.status is RequestStatus.HANDED_OFF for r in self.requests.values())
+
+    def waiting_by_reason(self) -> dict[str, int]:
+        """Handed-off requests waiting for the batch, by what holds them: a free slot, or K/V
+        memory (a slot is free but their blocks are not), or their turn behind one of those."""
+        waiting = sorted((r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF),
+                         key=lambda r: (not r.resumed, r.arrival))
+        counts = {"slots": 0, "memory": 0}
+        if not waiting:
+            return counts
+        reason = "slots" if len(self.slots) >= self.max_batch_size else "memory"
+        counts[reason] = len(waiting)
+        return counts
 
     def num_unfinished(self) -> int:
         return sum(r.status is not RequestStatus.FINISHED for r in self.requests.values())

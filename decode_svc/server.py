@@ -3,11 +3,18 @@
 Each stream is a coroutine on the server's event loop fed by the engine's loop thread through an
 ``asyncio.Queue``, so the number of streams is bounded by ``decode.max_batch_size`` and memory,
 never by a thread pool. A stream whose client goes away cancels its request at once.
+
+A handoff is checked against the K/V pool from its header, before its bytes are read: one that
+could never fit is INVALID_ARGUMENT, one the waiting queue has no room for RESOURCE_EXHAUSTED
+(prefill then tries another decode worker, or waits). The event loop never builds tensors nor
+waits on the engine's lock: rebuilding the state and every call into the engine run on the
+executor's threads, so streams and health probes are answered while the compute thread copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from decode_svc.engine import DecodeEngine
 from decode_svc.scheduler import TokenEvent
@@ -31,22 +38,35 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
 
     @rpc.unary_errors
     async def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
-        runner = self.engine.runner
+        engine, loop = self.engine, asyncio.get_running_loop()
+        runner = engine.runner
         receiver = handoff.Receiver(runner.num_layers, runner.device, runner)  # checks the header first
-        async for part in request_iterator:
-            receiver.add(part)
-        received = receiver.finish()
-        header = received.header
-        self.engine.submit(
-            request_id=header.request_id,
-            prompt_len=header.prompt_len,
-            rope_delta=header.rope_delta,
-            first_token=header.first_token,
-            sampling=sampling_from_proto(header.sampling),
-            state=received.state,
-            deadline_unix=header.deadline_unix,
-            num_generated=max(1, header.num_generated),
-        )
+        held = ""
+        try:
+            async for part in request_iterator:
+                receiver.add(part)
+                if not held and receiver.header is not None:
+                    header = receiver.header
+                    await loop.run_in_executor(None, engine.check_handoff, header.request_id, header.prompt_len,
+                                               header.sampling.max_tokens, max(1, header.num_generated))
+                    held = header.request_id
+            received = await loop.run_in_executor(None, receiver.finish)
+            header = received.header
+            await loop.run_in_executor(None, functools.partial(
+                engine.submit,
+                request_id=header.request_id,
+                prompt_len=header.prompt_len,
+                rope_delta=header.rope_delta,
+                first_token=header.first_token,
+                sampling=sampling_from_proto(header.sampling),
+                state=received.state,
+                deadline_unix=header.deadline_unix,
+                num_generated=max(1, header.num_generated),
+            ))
+            held = ""
+        finally:
+            if held:  # the stream broke or was malformed after its place was held
+                await loop.run_in_executor(None, engine.release, held)
         return epd_pb2.HandoffAck(request_id=header.request_id)
 
     @rpc.stream_errors
@@ -57,7 +77,7 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
         def sink(event: TokenEvent) -> None:  # called on the engine's thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        if self.engine.claim(request.request_id, sink) is None:
+        if await loop.run_in_executor(None, self.engine.claim, request.request_id, sink) is None:
             raise errors.NotFound(f"no handed-off request {request.request_id!r} to stream")
         finished = False
         try:
@@ -71,7 +91,7 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                 yield _token_batch(batch)
         finally:
             if not finished:  # the client left (or the server is stopping): free the slot now
-                self.engine.cancel(request.request_id)
+                loop.run_in_executor(None, self.engine.cancel, request.request_id)
 
 
 def _token_batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:
@@ -96,7 +116,12 @@ class DecodeServer(rpc.RoleServer):
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
-        self.membership = Membership(context, address=self.address())
+        self.membership = Membership(context, address=self.address(),
+                                     capacity_tokens=self.engine.capacity_tokens())
+
+    def kv_usage(self) -> dict[str, float]:
+        """The K/V pool now (``epd status``)."""
+        return self.engine.kv_usage()
 
     def in_flight(self) -> int:
         """Calls running plus requests handed off and not yet finished: a drained decode holds

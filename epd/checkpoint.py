@@ -114,6 +114,7 @@ def _make_config(text: dict, vision: dict, initializer_range: float) -> Qwen3_5C
     )
     vision = dict(vision, initializer_range=initializer_range, hidden_act="gelu_pytorch_tanh", in_channels=3)
     return Qwen3_5Config(
+        architectures=["Qwen3_5ForConditionalGeneration"],  # as published checkpoints say (vLLM reads it)
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=True,
@@ -159,6 +160,13 @@ def _tiny() -> Qwen3_5Config:
     return _make_config(text, vision, initializer_range=0.1)
 
 
+def _tiny_32k() -> Qwen3_5Config:
+    """``tiny``'s layers with a 32,768-token window: long requests in tests of the memory model."""
+    config = _tiny()
+    config.text_config.max_position_embeddings = 32768
+    return config
+
+
 def _qwen35_0_8b() -> Qwen3_5Config:
     text = dict(
         hidden_size=1024,
@@ -197,6 +205,7 @@ def _qwen35_0_8b() -> Qwen3_5Config:
 
 PRESETS: dict[str, Callable[[], Qwen3_5Config]] = {
     "tiny": _tiny,
+    "tiny-32k": _tiny_32k,
     "qwen3.5-0.8b": _qwen35_0_8b,
 }
 

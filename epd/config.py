@@ -169,7 +169,22 @@ class DecodeConfig(LMConfig):
     handoff_lease_s: float = 30.0
     """A handed-off request that no stream claims within this many seconds is freed."""
     max_batch_size: int = 32
-    """Requests decoded together in one step (continuous batching); more wait for a slot."""
+    """Requests decoded together in one step (continuous batching); more wait for a slot. Also the
+    number of linear-attention state slots decode allocates at start."""
+    kv_cache_bytes: int = 0
+    """Bytes of decode's paged K/V pool, allocated once at start; 0: kv_cache_memory_fraction of the
+    memory available once the weights are loaded."""
+    kv_cache_memory_fraction: float = 0.0
+    """Share of the memory available after the weights load that the K/V pool takes when
+    kv_cache_bytes is 0; 0: 0.25 of host RAM on a CPU (the roles share it), 0.8 of the GPU's free memory."""
+    kv_block_tokens: int = 16
+    """Tokens per K/V block (the unit decode allocates, frees and preempts by)."""
+    max_waiting_tokens: int = 0
+    """Tokens the handed-off requests waiting for the batch may hold in all (their states live
+    outside the pool); past it a handoff is refused with RESOURCE_EXHAUSTED and prefill tries
+    another decode worker or waits. 0: a quarter of the pool's tokens."""
+    max_waiting_requests: int = 0
+    """Handed-off requests that may wait for the batch; 0: max_batch_size."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
@@ -177,6 +192,11 @@ class DecodeConfig(LMConfig):
         super().__post_init__()
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
+        _check_range(self.kv_cache_bytes, 0, 1 << 50, "decode.kv_cache_bytes")
+        _check_range(self.kv_cache_memory_fraction, 0, 0.95, "decode.kv_cache_memory_fraction")
+        _check_range(self.kv_block_tokens, 1, 4096, "decode.kv_block_tokens")
+        _check_range(self.max_waiting_tokens, 0, 1 << 40, "decode.max_waiting_tokens")
+        _check_range(self.max_waiting_requests, 0, 1 << 20, "decode.max_waiting_requests")
         _check_range(self.metrics_port, 0, 65535, "decode.metrics_port")
 
 

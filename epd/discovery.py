@@ -99,6 +99,9 @@ class Endpoint:
     """False while the controller's probes fail."""
     http_address: str = ""
     """``host:port`` of its OpenAI-compatible HTTP front (routers started with one); empty: none."""
+    capacity_tokens: int = 0
+    """Decode replicas: the tokens their K/V pool holds (a request that needs more is refused
+    before prefill); 0: not told."""
 
     @property
     def takes_work(self) -> bool:
@@ -201,13 +204,14 @@ class Membership:
     (which refills a registry that Ray restarted)."""
 
     def __init__(self, context: RoleContext, address: str = "", handle: object = None,
-                 http_address: str = "") -> None:
+                 http_address: str = "", capacity_tokens: int = 0) -> None:
         import ray
 
         self.registry = context.registry
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
-                                 incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address)
+                                 incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address,
+                                 capacity_tokens=capacity_tokens)
         ray.get(self.registry.register.remote(self.endpoint), timeout=60)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership", daemon=True)
@@ -342,6 +346,12 @@ class Balancer:
             self._last_pick[name] = self._picks
             return name, self._live[name]
 
+    def any_allowed(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
+        """Whether ``pick(exclude)`` would find a replica (without picking it)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(n not in exclude and self._breaker(n).allows(now) for n in self._live)
+
     def release(self, name: str, ok: bool | None) -> None:
         """The call to ``name`` ended: ``ok`` True/False is the replica's own verdict (a client
         error or a downstream failure is ``None``: neutral)."""
@@ -381,6 +391,13 @@ class Balancer:
         with self._lock:
             return {name: count for name, count in self._outstanding.items() if count}
 
+    def capacity_tokens(self) -> int:
+        """The smallest K/V pool (in tokens) among the replicas that take work and said theirs; 0:
+        none did. A request must fit whichever replica it lands on."""
+        with self._lock:
+            known = [e.capacity_tokens for e in self._live.values() if e.capacity_tokens]
+        return min(known, default=0)
+
     def _breaker(self, name: str) -> Breaker:
         breaker = self._breakers.get(name)
         if breaker is None:
@@ -408,11 +425,14 @@ class Targets:
         self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
                                     self.balancer.outstanding)
 
-    async def call(self, method: str, request_or_factory, timeout: float | None, retry: bool = True):
+    async def call(self, method: str, request_or_factory, timeout: float | None, retry: bool = True,
+                   busy_next: bool = False):
         """``await stub.<method>(request)`` on one replica after another until one answers; returns
         (reply, address). ``request_or_factory`` may be a callable that makes the request anew for
-        each attempt (a client stream). Raises ``RpcFailure`` with the status (hop-prefixed) when
-        the call fails for another reason, or ``errors.Unavailable`` when no replica is left."""
+        each attempt (a client stream). ``busy_next``: a replica that answers RESOURCE_EXHAUSTED
+        (full, not broken) is passed over for the next one too; when every one is full the last
+        answer is raised. Raises ``RpcFailure`` with the status (hop-prefixed) when the call fails
+        for another reason, or ``errors.Unavailable`` when no replica is left."""
         tried: set[str] = set()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -427,6 +447,12 @@ class Targets:
                 ok = True
                 return reply, address
             except grpc.aio.AioRpcError as error:
+                if error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and busy_next:
+                    # Full, not failing: another replica may have room (neutral for the breaker).
+                    tried.add(name)
+                    if self.balancer.any_allowed(exclude=tried):
+                        continue
+                    raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 if not rpc.peer_failed(error):
                     if error.code() is grpc.StatusCode.UNAVAILABLE:
                         self.balancer.stranded(name)

@@ -6,7 +6,8 @@ cut into chunks small enough for gRPC's message limits. No pickle anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,19 @@ def chunks(header: epd_pb2.HandoffHeader, state: HybridState, chunk_bytes: int =
             del pending[:chunk_bytes]
     if pending:
         yield epd_pb2.HandoffChunk(data=bytes(pending))
+
+
+async def chunks_async(header: epd_pb2.HandoffHeader, state: HybridState,
+                       chunk_bytes: int = CHUNK_BYTES) -> AsyncIterator[epd_pb2.HandoffChunk]:
+    """``chunks`` for an asyncio client stream: each chunk is cut on an executor thread, so the
+    event loop never copies tensor bytes."""
+    loop = asyncio.get_running_loop()
+    parts = chunks(header, state, chunk_bytes)
+    while True:
+        part = await loop.run_in_executor(None, next, parts, None)
+        if part is None:
+            return
+        yield part
 
 
 class Receiver:

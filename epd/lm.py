@@ -9,8 +9,8 @@ lets prefill run in one process, the state travel as raw tensors, and decode con
 
 Decode batches: ``TextModelRunner.decode_step`` advances many requests by one token with one pass
 over the weights (projections, MLP and LM head run once for the whole batch) over any
-``BatchBuffers``: the slot buffers decode keeps (``decode_svc.batch.DecodeBatch``), K/V padded to
-the longest request per full-attention layer, conv and recurrent states stacked per linear layer.
+``BatchBuffers``: what decode keeps (``decode_svc.batch.DecodeBatch``): paged K/V per full-attention
+layer read through each request's block table, conv and recurrent states stacked per linear layer.
 
 The runner does not decide anything (which request runs, when state is freed): it only computes.
 """
@@ -75,11 +75,11 @@ class HybridState:
 
 
 class BatchBuffers(Protocol):
-    """What ``decode_step`` needs of a batch: per-layer slot buffers (``[slots, ...]``; the active
-    slots are the leading rows) and each active slot's cached-token count."""
+    """What ``decode_step`` needs of a batch (``decode_svc.batch.DecodeBatch``): full-attention K/V
+    behind ``attend_kv`` (paged: it stores a step's new K/V and gathers what each slot attends
+    over), per-layer linear-attention slot buffers (``[slots, ...]``; the active slots are the
+    leading rows) and each active slot's cached-token count."""
 
-    keys: list[torch.Tensor | None]  # [capacity, kv_heads, max_len, head_dim] per full-attention layer
-    values: list[torch.Tensor | None]
     conv: list[torch.Tensor | None]  # [capacity, conv_dim, kernel] per linear-attention layer
     recurrent: list[torch.Tensor | None]  # [capacity, v_heads, k_dim, v_dim] float32
     lengths: list[int]
@@ -89,7 +89,11 @@ class BatchBuffers(Protocol):
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more tokens in every active slot."""
 
-    def lengths_tensor(self) -> torch.Tensor: ...
+    def attend_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store each slot's new ``[slots, kv_heads, 1, dim]`` K/V; return the keys and values
+        ``[slots, kv_heads, T, dim]`` each slot attends over and a mask ``[slots, 1, 1, T]`` (None:
+        no slot is shorter than T)."""
 
     def advance(self) -> None:
         """Every active slot holds one more token."""
@@ -162,6 +166,22 @@ class TextModelRunner:
                 kv_heads = self.model.config.num_key_value_heads
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of full-attention K/V one token holds, over every layer (the paged pool's unit)."""
+        total = 0
+        for name, shape in self.state_shapes(1).items():
+            if name.startswith(("keys.", "values.")):
+                total += shape[1] * shape[3] * self.state_dtype(name).itemsize
+        return total
+
+    def slot_state_bytes(self) -> int:
+        """Bytes of one request's fixed-size linear-attention state (conv + recurrent, every layer)."""
+        total = 0
+        for name, shape in self.state_shapes(1).items():
+            if name.startswith(("conv.", "recurrent.")):
+                total += int(torch.Size(shape).numel()) * self.state_dtype(name).itemsize
+        return total
 
     def state_dtype(self, name: str) -> torch.dtype:
         """The dtype of the state tensor ``name``: the model's, except the recurrent state, which
@@ -250,14 +270,13 @@ class TextModelRunner:
         hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)).unsqueeze(1)
         position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, size, 1).expand(3, size, 1)
         cos, sin = self.model.rotary_emb(hidden, position_ids)
-        lengths = batch.lengths_tensor()
         for index, layer in enumerate(self.model.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             if self.layer_types[index] == "linear_attention":
                 hidden = _linear_attention_step(layer.linear_attn, hidden, batch, index)
             else:
-                hidden = _full_attention_step(layer.self_attn, hidden, cos, sin, batch, index, lengths)
+                hidden = _full_attention_step(layer.self_attn, hidden, cos, sin, batch, index)
             hidden = residual + hidden
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         batch.advance()
@@ -353,25 +372,14 @@ def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, lengths: li
 
 
 def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         batch: BatchBuffers, index: int, lengths: torch.Tensor) -> torch.Tensor:
-    """One token per slot: write its K/V at the slot's length, attend over the slot's tokens."""
+                         batch: BatchBuffers, index: int) -> torch.Tensor:
+    """One token per slot: the batch stores its K/V at the slot's length and gives back what each
+    slot attends over (its own tokens, through its block table)."""
     size = x.shape[0]
     query, key, value, gate = _attention_inputs(attn, x)
     query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    value = value.transpose(1, 2)
-
-    slots = torch.arange(size, device=x.device)
-    keys, values = batch.keys[index], batch.values[index]
-    keys[slots, :, lengths] = key[:, :, 0]
-    values[slots, :, lengths] = value[:, :, 0]
-    longest = max(batch.lengths) + 1
-    mask = None
-    if min(batch.lengths) + 1 != longest:  # ragged: hide each slot's unused tail
-        mask = (torch.arange(longest, device=x.device) <= lengths[:, None]).view(size, 1, 1, longest)
-    out = F.scaled_dot_product_attention(
-        query, keys[:size, :, :longest], values[:size, :, :longest], attn_mask=mask, scale=attn.scaling,
-        enable_gqa=True,
-    )
+    keys, values, mask = batch.attend_kv(index, key, value.transpose(1, 2))
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     out = out.transpose(1, 2).reshape(size, 1, -1)
     return attn.o_proj(out * torch.sigmoid(gate))
 

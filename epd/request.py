@@ -12,3 +12,4 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"  # the client went away, or its handoff lease ran out
     DEADLINE = "deadline"
     ERROR = "error"  # the role failed this request (logged there); the router reports INTERNAL
+    PREEMPTED = "preempted"  # decode took its K/V back to let others go on: internal, the router resumes it

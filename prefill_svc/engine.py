@@ -155,8 +155,13 @@ class PrefillEngine:
         token_ids = list(request.token_ids)
         if not token_ids:
             raise ValueError("prompt is empty")
+        if not 0 <= request.num_generated < len(token_ids):
+            raise ValueError(f"num_generated is {request.num_generated} for {len(token_ids)} tokens")
         grids = [(ref.merged_height, ref.merged_width) for ref in request.images]
-        spans = positions.find_image_spans(token_ids, self.info.image_token_id, grids)
+        # Only the prompt holds images: answer tokens a resumed request replays are text whatever
+        # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
+        prompt_len = len(token_ids) - request.num_generated
+        spans = positions.find_image_spans(token_ids[:prompt_len], self.info.image_token_id, grids)
         images = [KeyedImage(span, ref.store_key) for span, ref in zip(spans, request.images)]
         hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)

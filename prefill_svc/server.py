@@ -9,7 +9,10 @@ or stops it at its next chunk edge.
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+import grpc
 
 from epd import discovery, handoff, rpc
 from epd.config import ServeConfig
@@ -28,6 +31,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, decode: discovery.Targets) -> None:
         self.engine = engine
         self._decode = decode  # the decode replicas; each handoff goes to the least busy one
+        self.waits = 0  # pauses because every decode worker's queue was full
 
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
@@ -55,11 +59,31 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             deadline_unix=request.deadline_unix,
             num_generated=request.num_generated + 1,
         )
-        _, reply.decode_addr = await self._decode.call(
-            "Handoff", lambda: handoff.chunks(header, result.state), timeout=context.time_remaining())
+        reply.decode_addr = await self._hand_off(header, result.state, context)
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()
         return reply
+
+
+    async def _hand_off(self, header: epd_pb2.HandoffHeader, state, context) -> str:
+        """Hand the state to the least busy decode worker; one whose waiting queue is full
+        (RESOURCE_EXHAUSTED) is passed over for the next, and while every one is full the state
+        waits here, retried with a growing pause, until the request's deadline: back-pressure
+        reaches this worker's own budget (``prefill.max_held_mb``) instead of decode's memory."""
+        pause = 0.02
+        while True:
+            try:
+                _, address = await self._decode.call("Handoff", lambda: handoff.chunks_async(header, state),
+                                                     timeout=context.time_remaining(), busy_next=True)
+                return address
+            except rpc.RpcFailure as failure:
+                remaining = context.time_remaining()
+                if failure.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or (remaining is not None
+                                                                               and remaining < pause + 0.1):
+                    raise
+            self.waits += 1
+            await asyncio.sleep(pause)
+            pause = min(0.5, pause * 2)
 
 
 class PrefillServer(rpc.RoleServer):

@@ -59,7 +59,8 @@ class RouterCore:
         self.encoder_replicas = encoder_replicas  # behind the Encoder services: watched for health only
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
-                        "retried_prefills": 0, "inline_images": 0, "refused": 0}
+                        "retried_prefills": 0, "inline_images": 0, "refused": 0,
+                        "preempted": 0}
         self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
         self.active: set[asyncio.Task] = set()
         self.waiting = 0  # requests accepted and not yet streaming their first token
@@ -194,6 +195,15 @@ class RouterCore:
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context window of "
                 f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - prompt_len}"
             )
+        capacity = self.decode.balancer.capacity_tokens()
+        need = prompt_len + max_tokens - 1  # the last token sampled is never fed back
+        if capacity and need > capacity:
+            room = capacity - prompt_len + 1
+            hint = f"lower max_tokens to at most {room}" if room >= 1 else "shorten the prompt"
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs K/V memory for {need} tokens; a "
+                f"decode worker's K/V pool holds {capacity} (decode.kv_cache_bytes); {hint}"
+            )
 
     async def _ensure_embeddings(self, run: _Run, force: bool) -> dict[str, bytes]:
         """Make sure prefill can get every image of the prompt: in the store, or (when the store
@@ -309,12 +319,14 @@ class RouterCore:
 
     async def _relay(self, run: _Run, decode_addr: str, text: TextStream):
         """Relay decode's token batches as chunks; yields the finish reason (a str) last. When the
-        decode worker dies, resume elsewhere and go on exactly where the stream stopped."""
+        decode worker dies, or preempts the request to free K/V memory, resume elsewhere (or on
+        the same worker, once it has room) and go on exactly where the stream stopped."""
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
                                                              timeout=run.remaining(), metadata=self.decode.metadata)
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
+                preempted = False
                 async for batch in call:
                     delta = text.add(batch.token_ids)
                     kept = text.consumed  # all of the batch, or up to the token that completed a stop string
@@ -322,6 +334,9 @@ class RouterCore:
                     if text.stopped:
                         yield FinishReason.STOP.value
                         return
+                    if batch.finish_reason == FinishReason.PREEMPTED.value:
+                        preempted = True
+                        break
                     if batch.finish_reason == FinishReason.ERROR.value:
                         raise errors.ServiceError("decode failed this request (see the decode log)")
                     if batch.finish_reason == FinishReason.DEADLINE.value:
@@ -329,11 +344,14 @@ class RouterCore:
                     if batch.finish_reason:
                         yield batch.finish_reason
                         return
-                raise errors.ServiceError("decode stream ended without a finish reason")
+                if not preempted:
+                    raise errors.ServiceError("decode stream ended without a finish reason")
+                reply = await self._resume(run, text.token_ids, decode_addr, "preempted to free K/V memory",
+                                           preempted=True)
             except grpc.aio.AioRpcError as error:
                 if not (rpc.peer_failed(error) or error.code() is grpc.StatusCode.NOT_FOUND):
                     raise rpc.RpcFailure.from_rpc_error(error, "decode") from None
-                reply = await self._resume(run, text.token_ids, decode_addr, error)
+                reply = await self._resume(run, text.token_ids, decode_addr, error.code().name)
             finally:
                 call.cancel()  # a stop string or a departed client frees the decode slot now
             # The resumed step sampled the next token in prefill; decode goes on from there.
@@ -348,17 +366,25 @@ class RouterCore:
                 return
             decode_addr = run.unclaimed_decode = reply.decode_addr
 
-    async def _resume(self, run: _Run, generated: list[int], lost_addr: str,
-                      error: grpc.aio.AioRpcError) -> epd_pb2.PrefillResponse:
-        """The decode worker at ``lost_addr`` lost the request (it died, or restarted without it):
-        prefill the prompt plus the ``generated`` tokens (sampling the next one exactly as decode
-        would have) and hand off to another decode worker."""
-        if run.resumes >= MAX_RESUMES:
-            raise errors.Unavailable(f"decode: the request lost its decode worker {run.resumes + 1} times; giving up")
+    async def _resume(self, run: _Run, generated: list[int], lost_addr: str, why: str,
+                      preempted: bool = False) -> epd_pb2.PrefillResponse:
+        """The decode worker at ``lost_addr`` lost the request (it died, restarted without it, or
+        preempted it): prefill the prompt plus the ``generated`` tokens (sampling the next one
+        exactly as decode would have) and hand off to a decode worker again. A death counts
+        against ``MAX_RESUMES``; a preemption only against the request's deadline."""
+        if preempted:
+            run.preemptions += 1
+            self._count(preempted=1)
+            log.info("decode at %s preempted request %s after %d tokens; resuming by replay", lost_addr,
+                     run.request_id, len(generated))
+        else:
+            if run.resumes - run.preemptions >= MAX_RESUMES:
+                raise errors.Unavailable(f"decode: the request lost its decode worker {MAX_RESUMES + 1} times; "
+                                         "giving up")
+            self._count(resumes=1)
+            log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,
+                        run.request_id, len(generated), why)
         run.resumes += 1
-        self._count(resumes=1)
-        log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,
-                    run.request_id, len(generated), error.code().name)
         run.request_id = uuid.uuid4().hex  # a new id: the old one may linger on a restarted worker
         return await self._prefill(run, self._prefill_job(run, {}, list(generated)))
 
@@ -394,6 +420,8 @@ class RouterCore:
             .add(counts["prefix_tokens"]),
             counter("epd_requests_resumed_total", "Times a request moved to another decode worker after its "
                     "worker died").add(counts["resumes"]),
+            counter("epd_requests_preempted_total", "Times decode preempted a request to free K/V memory (it "
+                    "resumed by replay)").add(counts["preempted"]),
             counter("epd_prefill_retries_total", "Prefills repeated after an embedding went missing")
             .add(counts["retried_prefills"]),
             gauge("epd_store_reachable", "1 while the embedding store answers").add(int(self.store.reachable)),
@@ -434,7 +462,8 @@ class _Run:
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
         self.request_id = uuid.uuid4().hex  # internal: unique whatever the client sent
-        self.resumes = 0
+        self.resumes = 0  # times it moved to a decode worker again (deaths and preemptions)
+        self.preemptions = 0
         self.stage = "tokenize"  # where the request is: tokenize, encode, prefill, decode
         self.unclaimed_decode = ""  # a decode address holding a handoff no stream has claimed yet
         self.encoded: set[str] = set()  # store keys this request's encodes produced

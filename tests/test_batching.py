@@ -120,7 +120,7 @@ def test_requests_join_and_leave_a_running_batch_token_identical(runner, vision,
 def test_batched_step_matches_one_request_steps(runner):
     """decode_step over ragged slots gives each slot the logits of its own one-request forward."""
     vocab = runner.lm_head_weight.shape[0]
-    lengths = [3, 40, 17, 66]  # 66 + steps crosses the 64-token buffer alignment: a grow mid-run
+    lengths = [3, 40, 17, 66]  # 66 + steps crosses several 16-token block edges mid-run
     states, singles, tokens = [], [], []
     for seed, length in enumerate(lengths):
         ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
@@ -157,7 +157,7 @@ def test_batched_step_matches_one_request_steps(runner):
             if got is not None:
                 torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-4)
     batch.truncate(0)
-    assert len(batch) == 0 and batch.nbytes() == 0
+    assert len(batch) == 0 and batch.pool.num_used == 0
 
 
 def test_decode_step_rejects_mismatched_inputs(runner):
@@ -178,11 +178,11 @@ def test_a_malformed_state_is_refused_and_leaves_the_batch_usable(runner):
     batch = DecodeBatch(runner)
     with pytest.raises(ValueError, match=r"keys\.\d+ has shape \[1, \d+, 9, \d+\], expected \[1, \d+, 5, \d+\]"):
         batch.add(bad)
-    assert len(batch) == 0 and batch.nbytes() == 0
+    assert len(batch) == 0 and batch.pool.num_used == 0
     bad.num_tokens = 10**9  # a forged length: refused before any buffer is sized from it
     with pytest.raises(ValueError, match="state holds 1000000000 tokens"):
         batch.add(bad)
-    assert len(batch) == 0 and batch.nbytes() == 0
+    assert len(batch) == 0 and batch.pool.num_used == 0
     assert batch.add(good) == 0
     assert runner.decode_step(batch, [token], [9]).shape == (1, vocab)
 
@@ -200,10 +200,10 @@ def test_a_cancel_during_admission_is_not_lost(runner, tiny_model_dir, monkeypat
     entered, release = threading.Event(), threading.Event()
     add = DecodeBatch.add
 
-    def slow_add(self, state):
+    def slow_add(self, state, blocks=None):
         entered.set()
         release.wait(10)
-        return add(self, state)
+        return add(self, state, blocks)
 
     monkeypatch.setattr(DecodeBatch, "add", slow_add)
     engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(max_batch_size=4))
@@ -285,5 +285,5 @@ def test_a_state_of_another_dtype_is_refused_before_it_can_size_the_batch(runner
     batch = DecodeBatch(runner)
     with pytest.raises(ValueError, match=rf"{name} is torch.float16, expected torch.float32"):
         batch.add(other)
-    assert len(batch) == 0 and batch.nbytes() == 0
+    assert len(batch) == 0 and batch.pool.num_used == 0
     assert batch.add(state) == 0

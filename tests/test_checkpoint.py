@@ -189,3 +189,10 @@ def test_read_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type"):
         read_config(tmp_path)
+
+
+def test_the_cli_offers_every_preset():
+    from control.cli import PRESET_NAMES
+    from epd.checkpoint import PRESETS
+
+    assert set(PRESET_NAMES) == set(PRESETS)

@@ -325,3 +325,22 @@ def test_a_cancelled_prompt_leaves_the_queue_and_stop_fails_what_waits(oracle, i
         engine.stop()
         with pytest.raises(errors.Unavailable, match="shutting down"):
             blocked.result(timeout=15)  # failed, not left waiting for ever
+
+
+def test_a_replayed_answer_holding_an_image_pad_token_is_text(oracle, info, redis_url, runner, make_engine):
+    """A random model may sample <|image_pad|>: decode feeds it as a text token (transformers too:
+    image features are spliced only into the prompt). A resume replays it, and prefill must not
+    take it for an image placeholder: the next token equals the one an uninterrupted decode gives."""
+    engine = make_engine()
+    case = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE), max_new_tokens=4)
+    answer = [case.expected[0], info.image_token_id, case.expected[1]]
+    original = engine.run(case.request(), GREEDY)
+    state, prompt_len = original.state, len(case.request().token_ids)
+    for step, token in enumerate(answer):
+        pos = positions.decode_position(prompt_len, step, original.rope_delta)
+        hidden = runner.forward(runner.embed(torch.tensor([token])), torch.full((3, 1), pos), state)
+    uninterrupted = int(torch.argmax(runner.logits(hidden)))
+    request = case.request()
+    request.token_ids.extend(answer)
+    request.num_generated = len(answer)
+    assert engine.run(request, GREEDY).first_token == uninterrupted
