@@ -24,6 +24,15 @@ class Balancer:
     def num_available(self) -> int:
         return 1
 
+    def capacity_tokens(self) -> int:
+        return 0  # no replica said how many tokens its K/V pool holds
+
+
+class NoDecode:
+    """Never reached in a test that uses it: only its balancer is read (the K/V capacity check)."""
+
+    balancer = Balancer()
+
 
 class ShortEncoder:
     """An Encoder service whose reply leaves out the last image (a broken or skewed replica)."""
@@ -70,7 +79,7 @@ def test_a_short_encoder_reply_fails_its_request_and_never_strands_a_waiter(tiny
             pass
 
     async def scenario():
-        core = RouterCore(RouterConfig(), builder, store, encoder, NoPrefill(), None)
+        core = RouterCore(RouterConfig(), builder, store, encoder, NoPrefill(), NoDecode())
         first = asyncio.ensure_future(drain(core))
         second = asyncio.ensure_future(drain(core))  # waits on the first one's encode (single flight)
         with pytest.raises(errors.ServiceError, match="lacks 1 of 2 images"):
