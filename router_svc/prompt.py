@@ -5,8 +5,9 @@ are decoded by the encoder replicas. Client text is plain text (``router_svc.tok
 tokens in it are the characters they are, unless the router trusts its callers
 (``router.allow_special_tokens``); only the model's own structure in an assistant message
 (``<think>``, ``</think>``, the tool-call markers) stays tokens, as transformers renders it. A
-conversation the chat template refuses (its ``raise_exception``) is the client's error. Limits are checked before anything is rendered or tokenized:
-images per request, messages and parts, and the characters of text the context window can hold.
+conversation the chat template refuses (its ``raise_exception``) is the client's error. Limits are
+checked before anything is rendered or tokenized: images per request, messages and parts, and the
+characters of text the context window can hold.
 """
 
 from __future__ import annotations
