@@ -162,12 +162,16 @@ def test_a_stop_string_ends_token_ids_and_logprobs_at_the_token_that_completed_i
     request = client.user_request("Count.", [], max_tokens=len(tokens), logprobs=1, stop=["STOP"])
     decode = RunAheadDecode(tokens, batch)
 
+    store = EmbeddingStore(redis_url)
+
     async def scenario():
-        core = RouterCore(RouterConfig(), builder, EmbeddingStore(redis_url), ShortEncoder(builder.settings),
-                          OnePrefill(tokens), decode)
+        core = RouterCore(RouterConfig(), builder, store, ShortEncoder(builder.settings), OnePrefill(tokens), decode)
         return [event async for event in core.generate(request, 30)]
 
-    events = asyncio.run(scenario())
+    try:
+        events = asyncio.run(scenario())
+    finally:
+        store.close()
     chunks = [e.chunk for e in events if e.WhichOneof("event") == "chunk"]
     summary = events[-1].summary
     token_ids = [t for c in chunks for t in c.token_ids]
