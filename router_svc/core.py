@@ -329,7 +329,8 @@ class RouterCore:
                 preempted = False
                 async for batch in call:
                     delta = text.add(batch.token_ids)
-                    yield _chunk(batch.token_ids, delta, batch.logprobs if run.sampling.logprobs else [])
+                    kept = text.consumed  # all of the batch, or up to the token that completed a stop string
+                    yield _chunk(batch.token_ids[:kept], delta, batch.logprobs[:kept] if run.sampling.logprobs else [])
                     if text.stopped:
                         yield FinishReason.STOP.value
                         return

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP front of a router replica: ``POST /v1/chat/completions`` (plain and
-streamed as server-sent events), ``GET /v1/models``, ``GET /health``.
+streamed as server-sent events), ``GET /v1/models``, ``GET /health``, and vLLM's ``GET /version``,
+``POST /tokenize`` and ``POST /detokenize``. Every POST body must be ``application/json`` (415
+otherwise: no simple cross-site request from a browser reaches the request path).
 
 It runs in the router's own process, on the router's event loop (uvicorn's ``Server.serve`` as a
 task beside the gRPC server), and calls the same ``RouterCore.generate`` the gRPC front calls: no
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import math
@@ -49,6 +52,14 @@ SUPPORTED = {
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
 }
+# POST /tokenize's fields, vLLM's two forms (None counts as absent).
+TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                 "return_token_strs", "chat_template_kwargs", "mm_processor_kwargs"}
+try:
+    VERSION = importlib.metadata.version("epd")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
 # Accepted only at the value that means "off" (some clients always send them).
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -67,7 +78,8 @@ HTTP_STATUS = {
 
 # The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+                413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
+                504: "DEADLINE_EXCEEDED"}
 
 
 class HttpError(Exception):
@@ -123,6 +135,9 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -196,6 +211,98 @@ class HttpFront:
             return self._unknown_model(request.path_params["model"]).response()
         return JSONResponse(self._model_card())
 
+    async def version(self, request: Request) -> Response:
+        """vLLM's ``GET /version``: this server's version (open, as /health is)."""
+        return JSONResponse({"version": VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: ``{"prompt": str}`` tokenized as it is, or ``{"messages": [...]}``
+        as a chat request's prompt (the same template and plain-text rules, image placeholders
+        expanded to each image's token count: what ``usage.prompt_tokens`` counts). Answers
+        ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        async def answer(body: dict) -> dict:
+            body = {key: value for key, value in body.items() if value is not None}
+            self._check_model(body)
+            strs = _bool(body, "return_token_strs")
+            tokenizer = self.core.builder.tokenizer
+            loop = asyncio.get_running_loop()
+            if "messages" in body:
+                _refuse_unknown(body, TOKENIZE_CHAT)
+                if body.get("continue_final_message"):
+                    raise HttpError(400, "continue_final_message is not supported by this server",
+                                    param="continue_final_message", code="unsupported_parameter")
+                if _bool(body, "add_special_tokens"):
+                    raise HttpError(400, "add_special_tokens with messages is not supported by this server: the "
+                                    "chat template places every special token", param="add_special_tokens",
+                                    code="unsupported_parameter")
+                generation = _bool({"add_generation_prompt": True, **body}, "add_generation_prompt")
+                template = _object(body, "chat_template_kwargs", {"enable_thinking"})
+                thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
+                mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
+                max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels") \
+                    if "max_pixels" in mm else None
+                messages = await self._messages(body.get("messages"))
+                prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
+                                                    generation)
+                ids = prompt.token_ids
+            elif "prompt" in body:
+                _refuse_unknown(body, TOKENIZE_TEXT)
+                if not isinstance(body["prompt"], str):
+                    raise HttpError(400, "prompt must be a string", param="prompt")
+                special = _bool({"add_special_tokens": True, **body}, "add_special_tokens")
+                limit = self.core.builder.max_text_chars
+                if limit is not None and len(body["prompt"]) > limit:
+                    raise HttpError(400, f"prompt is {len(body['prompt'])} characters, more than the {limit} a "
+                                    f"context window of {self.core.max_model_len} tokens can hold", param="prompt")
+                ids = (await loop.run_in_executor(None, lambda: tokenizer(body["prompt"],
+                                                                          add_special_tokens=special)))["input_ids"]
+            else:
+                raise HttpError(400, "send either prompt (a string) or messages (a chat)", param="prompt")
+            return {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": list(ids),
+                    "token_strs": tokenizer.convert_ids_to_tokens(list(ids)) if strs else None}
+
+        return await self._utility(request, answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        async def answer(body: dict) -> dict:
+            body = {key: value for key, value in body.items() if value is not None}
+            self._check_model(body)
+            _refuse_unknown(body, {"model", "tokens"})
+            tokens = body.get("tokens")
+            size = len(self.core.builder.tokenizer)
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise HttpError(400, "tokens must be a list of token ids (integers)", param="tokens")
+            bad = [t for t in tokens if not 0 <= t < size]
+            if bad:
+                raise HttpError(400, f"tokens: {bad[0]} is not a token id of this model (0 to {size - 1})",
+                                param="tokens")
+            text = await asyncio.get_running_loop().run_in_executor(None, self.core.builder.tokenizer.decode, tokens)
+            return {"prompt": text}
+
+        return await self._utility(request, answer)
+
+    async def _utility(self, request: Request, answer) -> Response:
+        """A tokenizer endpoint: the API key, a JSON body, the answer or OpenAI's error shape."""
+        try:
+            refused = self._unauthorized(request)
+            if refused:
+                raise refused
+            return JSONResponse(await answer(await self._read_json(request)))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as error:  # noqa: BLE001 - every refusal leaves in OpenAI's shape
+            failure = http_error(error)
+            if failure.status >= 500:
+                log.warning("http %s: %s", request.url.path, failure.message)
+            return failure.response()
+
+    def _check_model(self, body: dict) -> None:
+        if "model" in body and body["model"] != self.model_name:
+            if not isinstance(body["model"], str):
+                raise HttpError(400, "model must be a string", param="model")
+            raise self._unknown_model(body["model"])
+
     async def chat_completions(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logs.REQUEST_ID.set(request_id)
@@ -241,6 +348,7 @@ class HttpFront:
                          code="invalid_api_key")
 
     async def _read_json(self, request: Request) -> dict:
+        _check_json_type(request)
         length = request.headers.get("content-length", "")
         chunks, size = [], 0
         too_large = length.isdigit() and int(length) > self.max_body
@@ -392,6 +500,26 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+
+def _refuse_unknown(body: dict, allowed: set[str]) -> None:
+    unsupported = sorted(set(body) - allowed)
+    if unsupported:
+        raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
+                        code="unsupported_parameter")
+
+
+def _check_json_type(request: Request) -> None:
+    """A body is read only when it says it is JSON (``application/json``, parameters such as charset
+    allowed). ``text/plain``, form and multipart bodies, or none declared, are what a browser sends
+    cross-site without asking first (no CORS preflight): parsing them as JSON would let any web
+    page spend this server's compute through a visitor's browser."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"Content-Type {declared!r}" if declared else "no Content-Type"
+        raise HttpError(415, f"the request body must be JSON sent as Content-Type: application/json; got {shown}",
+                        code="unsupported_media_type")
 
 
 def _image_url(part: dict, where: str) -> str:

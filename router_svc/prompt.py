@@ -3,20 +3,34 @@
 The router only reads each image's header here (size -> resized grid -> token count); the pixels
 are decoded by the encoder replicas. Client text is plain text (``router_svc.tokens``): control
 tokens in it are the characters they are, unless the router trusts its callers
-(``router.allow_special_tokens``). Limits are checked before anything is rendered or tokenized:
-images per request, messages and parts, and the characters of text the context window can hold.
+(``router.allow_special_tokens``); only the model's own structure in an assistant message
+(``<think>``, ``</think>``, the tool-call markers) stays tokens, as transformers renders it. A
+conversation the chat template refuses (its ``raise_exception``) is the client's error. Limits are
+checked before anything is rendered or tokenized: images per request, messages and parts, and the
+characters of text the context window can hold.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
 
 from epd import imaging, store
 from epd.modelinfo import ModelInfo
 from epd.v1 import epd_pb2
 from router_svc.tokens import PlainText
 
+log = logging.getLogger(__name__)
+
 ROLES = ("system", "user", "assistant")
+# The model's own structure in its answers: in an assistant message these are tokens, as the
+# template renders them (and as transformers tokenizes them), so the template can find and strip
+# earlier reasoning. Everywhere else, and every other added token (the role markers) everywhere,
+# client text is plain text.
+ASSISTANT_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 # Text may not smuggle in vision placeholders: they would be matched to images that aren't there.
 RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 
@@ -49,6 +63,8 @@ class PromptBuilder:
         self.max_images = max_images
         self.allow_special_tokens = allow_special_tokens
         self.plain = PlainText(tokenizer)
+        kept = [token for token in ASSISTANT_TOKENS if token in self.plain.added]  # those this tokenizer has
+        self._assistant_tokens = re.compile("(" + "|".join(map(re.escape, kept)) + ")") if kept else None
         # Text longer than this cannot fit the context window whatever it says: refused untokenized.
         self.max_text_chars = self.plain.max_chars(self.max_model_len)
 
@@ -59,14 +75,25 @@ class PromptBuilder:
 
         return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels), **limits)
 
-    def build(self, messages, max_pixels: int | None, enable_thinking: bool) -> Prompt:
-        """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem."""
+    def build(self, messages, max_pixels: int | None, enable_thinking: bool, add_generation_prompt: bool = True
+              ) -> Prompt:
+        """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem.
+        ``add_generation_prompt`` False (``POST /tokenize`` may ask) leaves out the assistant header."""
         self._check_limits(messages)
         settings = self.settings.with_max_pixels(max_pixels)
         chat, images = self._to_chat(messages, settings)
-        text = self.tokenizer.apply_chat_template(
-            chat, tokenize=False, add_generation_prompt=True, enable_thinking=bool(enable_thinking)
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                enable_thinking=bool(enable_thinking)
+            )
+        except TemplateError as error:
+            if type(error) is not TemplateError:  # a subclass: the template itself is broken (syntax, undefined)
+                raise
+            # The template's raise_exception: it refuses this conversation (no user turn, an image in
+            # a system message, ...). The client's error, in the template's own words.
+            log.info("chat template refused the conversation: %s", error.message)
+            raise ValueError(f"the model's chat template refuses this conversation: {error.message}") from None
         if self.allow_special_tokens:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -113,12 +140,20 @@ class PromptBuilder:
                         self._check_text(part.text, m_index)
                         parts.append({"type": "text", "text": part.text})
                     else:  # plain text: vision placeholders in it are characters too, harmless
-                        parts.append({"type": "text", "text": self.plain.escape(part.text)})
+                        parts.append({"type": "text", "text": self._escape(part.text, message.role)})
                     has_content = has_content or bool(part.text.strip())
             chat.append({"role": message.role, "content": parts})
         if not has_content:
             raise ValueError("prompt is empty: no text and no images")
         return chat, images
+
+    def _escape(self, text: str, role: str) -> str:
+        """Client text as the template must see it: plain text, except the model's own structure
+        tokens in an assistant message (``ASSISTANT_TOKENS``), which stay as they are."""
+        if role != "assistant" or self._assistant_tokens is None:
+            return self.plain.escape(text)
+        pieces = self._assistant_tokens.split(text)  # text, token, text, ..., text
+        return "".join(piece if index % 2 else self.plain.escape(piece) for index, piece in enumerate(pieces))
 
     def _image(self, data: bytes, index: int, settings: imaging.ImageSettings) -> PromptImage:
         try:

@@ -28,15 +28,38 @@ class TextStream:
         self._settled_text = ""  # the text of token_ids[:_settled]
         self._emitted = 0  # characters of the text already returned
         self.stopped = False
+        self.consumed = 0  # how many of the tokens given to the last add() are part of the completion
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append tokens and return the new text that is now final."""
-        self.token_ids.extend(token_ids)
-        text = self._text()
-        cut = self._find_stop(text)
-        if cut is not None:
-            self.stopped = True
-            return self._advance(text, cut)
+        """Append tokens and return the new text that is now final.
+
+        With stop strings the tokens are taken one at a time: when one of them completes a stop
+        string, the rest are dropped (decode runs ahead of the router, so a batch can carry tokens
+        generated after the stop). ``consumed`` then says how many of ``token_ids`` were kept, the
+        last of them the token that completed the stop; the completion (``token_ids``) ends there,
+        so its length, and anything counted from it, is the same however decode batched it."""
+        if self.stopped:
+            self.consumed = 0
+            return ""
+        if not self.stop:  # nothing can stop the stream: the whole batch at once
+            self.token_ids.extend(token_ids)
+            self.consumed = len(token_ids)
+            return self._release(self._text())
+        delta = ""
+        for index, token_id in enumerate(token_ids):
+            self.token_ids.append(token_id)
+            text = self._text()
+            cut = self._find_stop(text)
+            if cut is not None:
+                self.stopped = True
+                self.consumed = index + 1
+                return delta + self._advance(text, cut)
+            delta += self._release(text)
+        self.consumed = len(token_ids)
+        return delta
+
+    def _release(self, text: str) -> str:
+        """What of ``text`` is final now: all but the held-back tail and an unfinished character."""
         end = len(text) - self._hold
         while end > self._emitted and text[end - 1] == "\ufffd":
             end -= 1

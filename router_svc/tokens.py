@@ -12,9 +12,10 @@ Qwen, ``<``), and the escape character itself, becomes an escape sequence, so no
 begin inside client text whatever the template does with it (concatenating parts, trimming). The
 rendered prompt is then cut at the added tokens left in it, which are the template's; each is its
 id, and each stretch between two, its escapes undone, is tokenized without added tokens. For text
-with no such characters this is the ordinary tokenization, token for token. A template that looks
-inside client text for control strings (Qwen's cuts assistant history at ``</think>``) no longer
-finds them there: client text is text.
+with no such characters this is the ordinary tokenization, token for token. The one exception is
+the caller's (``router_svc.prompt``): in an assistant message the model's own structure tokens
+(``<think>``, ``</think>``, tool-call markers) are left unescaped, so the template finds them there
+(Qwen's strips earlier reasoning at ``</think>``) and they stay tokens, as transformers renders them.
 
 ``PlainText.max_chars`` is the most characters of client text a prompt of ``n`` tokens can hold,
 from the longest token in bytes: the router refuses longer text before tokenizing anything.

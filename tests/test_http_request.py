@@ -5,6 +5,7 @@ and every failure of the request path gets its HTTP status."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -109,3 +110,57 @@ def test_request_path_failures_map_to_http_statuses(error, status, kind):
     body = failure.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
     assert failure.response().headers.get("retry-after") == ("1" if status in (429, 503) else None)
+
+
+def post(front: HttpFront, path: str, body: bytes, content_type: str | None, key: str | None = None
+         ) -> tuple[int, dict]:
+    """One request through the front's ASGI app, in-process: its status and JSON body."""
+    headers = [(b"content-length", str(len(body)).encode())]
+    if content_type is not None:
+        headers.append((b"content-type", content_type.encode()))
+    if key is not None:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    sent = []
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(front.app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("text/plain", b'{"messages": [{"role": "user", "content": "hi"}]}'),
+    ("text/plain; charset=utf-8", b'{"messages": [{"role": "user", "content": "hi"}]}'),
+    ("application/x-www-form-urlencoded", b'{"messages": [{"role": "user", "content": "hi"}]}'),
+    ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n{}\r\n--x--\r\n'),
+    ("application/jsonp", b'{"messages": [{"role": "user", "content": "hi"}]}'),
+    (None, b'{"messages": [{"role": "user", "content": "hi"}]}'),
+])
+def test_a_body_that_is_not_declared_json_is_refused_with_415(content_type, body):
+    """The types a browser sends cross-site without a preflight are never parsed as JSON."""
+    stats = RequestStats()
+    front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, stats)
+    status, reply = post(front, "/v1/chat/completions", body, content_type)
+    assert status == 415
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in reply["error"]["message"]
+    assert (content_type or "no Content-Type") in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON;charset=UTF-8"])
+def test_a_json_body_is_read(content_type):
+    front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, RequestStats())
+    # Past the Content-Type check, the body's own fault is what is reported.
+    status, reply = post(front, "/v1/chat/completions", b'{"messages": []}', content_type)
+    assert (status, reply["error"]["message"]) == (400, "messages must be a non-empty list")

@@ -34,7 +34,8 @@ def test_a_fresh_serve_piped_to_a_file_prints_a_short_plain_log(tiny_model_dir, 
                            "stream": True}).encode()
         host, port = http.split(":")
         with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode()
                          + b"\r\n\r\n" + body)
             received = b""
             while received.count(b"data: ") < 3:

@@ -24,6 +24,15 @@ class Balancer:
     def num_available(self) -> int:
         return 1
 
+    def capacity_tokens(self) -> int:
+        return 0  # no replica said how many tokens its K/V pool holds
+
+
+class NoDecode:
+    """Never reached in a test that uses it: only its balancer is read (the K/V capacity check)."""
+
+    balancer = Balancer()
+
 
 class ShortEncoder:
     """An Encoder service whose reply leaves out the last image (a broken or skewed replica)."""
@@ -70,7 +79,7 @@ def test_a_short_encoder_reply_fails_its_request_and_never_strands_a_waiter(tiny
             pass
 
     async def scenario():
-        core = RouterCore(RouterConfig(), builder, store, encoder, NoPrefill(), None)
+        core = RouterCore(RouterConfig(), builder, store, encoder, NoPrefill(), NoDecode())
         first = asyncio.ensure_future(drain(core))
         second = asyncio.ensure_future(drain(core))  # waits on the first one's encode (single flight)
         with pytest.raises(errors.ServiceError, match="lacks 1 of 2 images"):
@@ -88,3 +97,87 @@ def test_a_short_encoder_reply_fails_its_request_and_never_strands_a_waiter(tiny
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+class OnePrefill:
+    """A prefill worker whose reply is the first of ``tokens`` and hands the rest to ``decode-a``."""
+
+    balancer = Balancer()
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    async def call(self, method, request, timeout, retry=True):
+        return epd_pb2.PrefillResponse(first_token=self.tokens[0], decode_addr="decode-a",
+                                       first_logprobs=epd_pb2.TokenLogprobs(logprob=-0.0)), "here"
+
+
+class RunAheadDecode:
+    """A decode worker that streams ``tokens`` in batches of ``batch`` (as a busy worker runs ahead of
+    the router: a batch can carry tokens generated after a stop string), each with its own logprob
+    (-index, so every token's logprob says which token it is)."""
+
+    balancer = Balancer()
+    metadata = ()
+
+    def __init__(self, tokens: list[int], batch: int) -> None:
+        self.tokens, self.batch = tokens, batch
+        self.cancelled = False
+        self.stubs = self
+
+    def get(self, address):
+        return self
+
+    def Stream(self, request, timeout, metadata):  # noqa: N802 - the stub's method name
+        decode = self
+
+        class Call:
+            def __aiter__(self):
+                return self.batches()
+
+            async def batches(self):
+                for start in range(1, len(decode.tokens), decode.batch):
+                    ids = decode.tokens[start:start + decode.batch]
+                    yield epd_pb2.TokenBatch(token_ids=ids, logprobs=[
+                        epd_pb2.TokenLogprobs(logprob=-float(i)) for i in range(start, start + len(ids))])
+                yield epd_pb2.TokenBatch(finish_reason="length")
+
+            def cancel(self):
+                decode.cancelled = True
+
+        return Call()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 64])
+def test_a_stop_string_ends_token_ids_and_logprobs_at_the_token_that_completed_it(tiny_model_dir, redis_url, batch):
+    """However decode batches its tokens, the completion ends with the token whose text completes the
+    stop string: the usage count, the token ids and the logprobs relayed are the same every time."""
+    info = ModelInfo.load(tiny_model_dir)
+    builder = PromptBuilder.load(tiny_model_dir, info, 64 * 1024 * 1024)
+    tokenizer = builder.tokenizer
+    tokens = tokenizer.encode("one two three STOP four five six seven eight nine ten")
+    # The first prefix of the tokens whose text holds the stop string: where it completes.
+    complete = next(n for n in range(1, len(tokens) + 1) if "STOP" in tokenizer.decode(tokens[:n]))
+    assert 2 < complete < len(tokens) - 4  # tokens come after the stop, so a batch can run past it
+    request = client.user_request("Count.", [], max_tokens=len(tokens), logprobs=1, stop=["STOP"])
+    decode = RunAheadDecode(tokens, batch)
+
+    store = EmbeddingStore(redis_url)
+
+    async def scenario():
+        core = RouterCore(RouterConfig(), builder, store, ShortEncoder(builder.settings), OnePrefill(tokens), decode)
+        return [event async for event in core.generate(request, 30)]
+
+    try:
+        events = asyncio.run(scenario())
+    finally:
+        store.close()
+    chunks = [e.chunk for e in events if e.WhichOneof("event") == "chunk"]
+    summary = events[-1].summary
+    token_ids = [t for c in chunks for t in c.token_ids]
+    logprobs = [entry.logprob for c in chunks for entry in c.logprobs]
+    assert token_ids == tokens[:complete]
+    assert logprobs == [-float(i) for i in range(complete)]
+    assert summary.completion_tokens == complete and summary.finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == "one two three "
+    assert decode.cancelled

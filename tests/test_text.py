@@ -150,3 +150,22 @@ def test_incremental_text_equals_decoding_everything_each_time(tokenizer, batch)
         stream.add(ids[i : i + batch])
         assert stream._text() == _decode(tokenizer, stream.token_ids)
     assert stream._settled >= len(ids) - 64, "the settled point stopped moving: decoding is quadratic again"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 100])
+def test_a_stop_keeps_the_tokens_up_to_the_one_that_completed_it(tokenizer, batch):
+    """Whatever the batching, the completion ends with the token whose text completes the stop
+    string; ``consumed`` says how many of the last batch that is."""
+    ids = tokenizer.encode("one two three STOP four five six seven")
+    complete = next(n for n in range(1, len(ids) + 1) if "STOP" in _decode(tokenizer, ids[:n]))
+    stream = TextStream(tokenizer, stop=["STOP"])
+    kept, out = [], ""
+    for i in range(0, len(ids), batch):
+        chunk = ids[i : i + batch]
+        out += stream.add(chunk)
+        kept += chunk[: stream.consumed]
+        if stream.stopped:
+            break
+    assert stream.stopped and out == "one two three "
+    assert kept == stream.token_ids == ids[:complete]
+    assert stream.add(ids[-2:]) == "" and stream.consumed == 0 and stream.token_ids == ids[:complete]
