@@ -327,6 +327,7 @@ def _cmd_bench(args) -> int:
     except ConfigError as error:
         args.parser.error(str(error))
     if args.model:
+        _check_checkpoint(args, args.model)
         _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
     report = run_bench(config)
     print(format_report(report))
@@ -363,6 +364,7 @@ def _cmd_demo(args) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         args.parser.error(f"{args.model!r} is not a checkpoint directory (no config.json); "
                           "create one with `epd model create --preset tiny --out DIR`")
+    _check_checkpoint(args, args.model)
     return run_demo(args.model)
 
 
@@ -375,12 +377,16 @@ def _cmd_serve(args) -> int:
         config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    _check_checkpoint(args, config.serve.model_dir)
     for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
         busy = _port_in_use(config.serve.router.host, port or 0)
         if busy:
             args.parser.error(f"{option} {port}: {busy}")
     _raise_on_sigterm()
+    from control.controller import DeploymentFailed
+
     stack = LocalStack(config)
+    failed = ""
     try:
         address = stack.start()
         print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
@@ -388,9 +394,11 @@ def _cmd_serve(args) -> int:
         for http in stack.http_addresses():
             print(f"epd http at {scheme}://{http}/v1", flush=True)
         print(f"epd ready at {address}", flush=True)
-        wait_forever()
+        wait_forever(stack)
     except KeyboardInterrupt:
         pass
+    except DeploymentFailed as error:  # a role cannot start: stop everything, say why
+        failed = _cause(error)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -402,7 +410,26 @@ def _cmd_serve(args) -> int:
                   f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", file=sys.stderr, flush=True)
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
-    return 0
+        if failed:
+            print(f"epd serve: stopped: {failed}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def _cause(error: BaseException) -> str:
+    """The message of an exception raised in a Ray actor (Ray's error carries it as ``cause``,
+    with the remote traceback in its own text), or of a local one."""
+    return str(getattr(error, "cause", None) or error)
+
+
+def _check_checkpoint(args, model_dir: str) -> None:
+    """Refuse a checkpoint epd cannot serve before Ray starts, by the check every role's loading
+    makes (else each role would fail in its constructor and be replaced in turn)."""
+    from epd.model_check import UnsupportedCheckpoint, check_model_type
+
+    try:
+        check_model_type(model_dir)
+    except UnsupportedCheckpoint as error:
+        args.parser.error(str(error))
 
 
 def _port_in_use(host: str, port: int) -> str:
@@ -450,6 +477,7 @@ def _cmd_deploy(args) -> int:
                                     os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    _check_checkpoint(args, config.serve.model_dir)
     _setup_logging(args)
     _ray_env(args.address)
     import ray
@@ -468,7 +496,11 @@ def _cmd_deploy(args) -> int:
             return 1
         except ValueError:
             pass
-        handle = controller.create_controller(config, detached=True)
+        try:
+            handle = controller.create_controller(config, detached=True)
+        except controller.DeploymentFailed as error:  # a role cannot start; the controller is gone again
+            print(f"epd deploy: stopped: {_cause(error)}", file=sys.stderr)
+            return 1
         status = ray.get(handle.status.remote())
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in ray.get(handle.http_addresses.remote()):

@@ -53,6 +53,8 @@ ROLE_ACTORS = {
 REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
 MAX_RESTARTS = 3
 """Ray restarts a replica whose process died this many times; after that the controller replaces it."""
+START_FAILURES_KEPT = 10
+"""How many constructor failures per role the controller remembers (their messages)."""
 STATUS_WAIT_S = 2.0
 """How long `epd status` waits for a replica to say how much work it holds."""
 
@@ -79,6 +81,12 @@ class Controller:
         self.decisions: list[dict] = []
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
+        # Replicas whose constructor raised (Ray does not restart those): name -> the error's last
+        # line. A role whose new replicas fail so ``max_start_failures`` times in a row, none of
+        # them ever serving, will not get better by trying again: the deployment stops with why.
+        self._init_failed: dict[str, str] = {}
+        self._start_failures = {role: 0 for role in ROLES}
+        self.failed = ""  # why the deployment stopped itself ("" while it runs)
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
         self._adopt()
         self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
@@ -93,6 +101,8 @@ class Controller:
         """Wait until every role has its replicas serving; returns the routers' addresses."""
         deadline = time.monotonic() + self.config.start_timeout_s
         while not all(self.fleet.healthy_count(role) >= self._desired[role] for role in ROLES):
+            if self.failed:
+                raise DeploymentFailed(self.failed)
             if time.monotonic() > deadline:
                 missing = {r: self._desired[r] - self.fleet.healthy_count(r) for r in ROLES
                            if self.fleet.healthy_count(r) < self._desired[r]}
@@ -163,11 +173,16 @@ class Controller:
                   for role in ROLES}
         return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
+                "failed": self.failed,
                 "unplaced": list(self.unplaced),
                 "autoscale": {"enabled": self.config.autoscale.enabled,
                               "min_replicas": self.config.autoscale.min_replicas,
                               "max_replicas": self.config.autoscale.max_replicas},
                 "decisions": list(self.decisions[-50:])}
+
+    def failure(self) -> str:
+        """Why the deployment stopped itself ("" while it runs): `epd serve` watches this."""
+        return self.failed
 
     def num_replicas(self, role: str) -> int:
         with self._lock:
@@ -380,6 +395,8 @@ class Controller:
                 level = logging.INFO if event.kind in ("joined", "recovered") else logging.WARNING
                 log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
                         f" after {event.seconds:.1f}s" if event.seconds else "")
+                if event.kind in ("joined", "replaced"):
+                    self._start_failures[event.role] = 0
             # The registry's flag says whether the replica itself works: one that answers but says
             # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
             reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
@@ -387,7 +404,16 @@ class Controller:
                 self.registry.mark.remote(name, reachable, endpoint.incarnation)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
-                self._kill(name)
+                reason = self._init_failed.pop(name, "")
+                self._kill(name, reason=f"its constructor failed: {reason}" if reason else "")
+                if reason:
+                    self._start_failures[role] += 1
+                    log.error("%s %s failed to start (%d in a row): %s", role, name, self._start_failures[role],
+                              reason)
+                    if self._start_failures[role] >= self.config.max_start_failures:
+                        self._give_up(f"{role} replicas failed to start {self._start_failures[role]} times in a "
+                                      f"row, last: {reason}")
+                        return
                 with self._role_locks[role]:
                     self._fill(role, replaces=name, dead_at=dead_at)
         for role in ROLES:
@@ -398,6 +424,13 @@ class Controller:
                     self._role_locks[role].release()
         self._find_unplaced()
         self.metrics.refresh()
+
+    def _give_up(self, reason: str) -> None:
+        """Stop reconciling and replacing: the deployment has stopped itself. `epd serve` sees it
+        (``failure``) and stops everything; `epd status` shows it; `epd down` removes what is left."""
+        self.failed = reason
+        self._stop.set()
+        log.error("deployment stopped: %s", reason)
 
     def _find_unplaced(self) -> None:
         """While replicas are not serving, ask Ray's GCS what it cannot place (a lost machine was
@@ -438,7 +471,9 @@ class Controller:
                 return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
         try:
             ray.get(handle.ping.remote(), timeout=self.config.probe_timeout_s)
-        except ray.exceptions.ActorDiedError:
+        except ray.exceptions.ActorDiedError as error:
+            if getattr(error, "actor_init_failed", False):
+                self._init_failed[name] = _last_line(getattr(error, "error_msg", "") or str(error))
             return Probe.DEAD
         except Exception:  # noqa: BLE001 - restarting, still loading, or wedged
             return Probe.UNREACHABLE
@@ -490,6 +525,16 @@ class Controller:
 
     def _host_for_metrics(self) -> str:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
+
+
+class DeploymentFailed(RuntimeError):
+    """The deployment stopped itself (a role cannot start); the message says why."""
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a Ray task error's text (its traceback comes before it)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
 
 
 def _state(replica) -> str:

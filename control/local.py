@@ -183,6 +183,22 @@ def _mute_worker_output_at_exit() -> None:
         pass
 
 
-def wait_forever() -> None:
+def wait_forever(stack: LocalStack | None = None, every_s: float = 2.0) -> None:
+    """Until interrupted, or (with ``stack``) until its deployment stops itself or its controller
+    is gone: raises ``DeploymentFailed`` saying why."""
     while True:
-        time.sleep(3600)
+        time.sleep(every_s if stack is not None else 3600)
+        if stack is None or stack.controller is None:
+            continue
+        import ray
+
+        from control.controller import DeploymentFailed
+
+        try:
+            failed = ray.get(stack.controller.failure.remote(), timeout=60)
+        except ray.exceptions.ActorDiedError:
+            raise DeploymentFailed("the deployment's controller was stopped (`epd down`)") from None
+        except Exception:  # noqa: BLE001 - restarting or busy: look again next time
+            continue
+        if failed:
+            raise DeploymentFailed(failed)
