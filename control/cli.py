@@ -383,7 +383,7 @@ def _cmd_serve(args) -> int:
         if busy:
             args.parser.error(f"{option} {port}: {busy}")
     _raise_on_sigterm()
-    from control.controller import DeploymentFailed
+    from control.fleet import DeploymentFailed
 
     stack = LocalStack(config)
     failed = ""
@@ -590,6 +590,8 @@ def _cmd_status(args) -> int:
 def _print_status(status: dict, header: bool) -> None:
     if header:
         print(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
+    if status.get("failed"):
+        print(f"deployment stopped: {status['failed']}")
     where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
         counts = status["counts"][role]

@@ -35,7 +35,7 @@ import ray
 from grpc_health.v1 import health_pb2
 
 from control.autoscale import AutoscalePolicy, Decision
-from control.fleet import Fleet, Probe, unplaced
+from control.fleet import DeploymentFailed, Fleet, Probe, unplaced  # noqa: F401 - DeploymentFailed for callers
 from epd import discovery, rpc
 from epd.config import ROLES, DeployConfig
 
@@ -525,10 +525,6 @@ class Controller:
 
     def _host_for_metrics(self) -> str:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
-
-
-class DeploymentFailed(RuntimeError):
-    """The deployment stopped itself (a role cannot start); the message says why."""
 
 
 def _last_line(text: str) -> str:

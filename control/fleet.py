@@ -18,6 +18,11 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 
+class DeploymentFailed(RuntimeError):
+    """The deployment stopped itself (a role cannot start); the message says why. Here, not in
+    ``control.controller``, so a command can name it before ray is imported."""
+
+
 class Probe(enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not_serving"  # up, but cannot serve now (e.g. nothing behind it): not taking work

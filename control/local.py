@@ -192,7 +192,7 @@ def wait_forever(stack: LocalStack | None = None, every_s: float = 2.0) -> None:
             continue
         import ray
 
-        from control.controller import DeploymentFailed
+        from control.fleet import DeploymentFailed
 
         try:
             failed = ray.get(stack.controller.failure.remote(), timeout=60)
