@@ -81,14 +81,15 @@ def _parser() -> argparse.ArgumentParser:
 
     scale = command("scale", help="change a role's replica count on a running deployment")
     scale.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    scale.add_argument("--namespace", default="epd")
-    scale.add_argument("role", choices=list(_ROLE_NAMES))
-    scale.add_argument("count", type=_int_in(1, 256))
+    _add_connect_flags(scale)
+    scale.add_argument("role", choices=list(_ROLE_NAMES), help="the role to scale")
+    scale.add_argument("count", type=_int_in(1, 256),
+                       help="replicas the role should have, in [1, 256]; scaling down drains the newest first")
     scale.set_defaults(func=_cmd_scale, parser=scale)
 
     status = command("status", help="a deployment's replicas and where Ray placed them")
     status.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    status.add_argument("--namespace", default="epd")
+    _add_connect_flags(status)
     status.add_argument("--json", action="store_true", help="one JSON object per look (with Ray's placements "
                         "unless --watch)")
     status.add_argument("--watch", type=_float_in(0.1, 3600), default=None, metavar="S",
@@ -97,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
     down = command("down", help="stop a deployment (the cluster keeps running)")
     down.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    down.add_argument("--namespace", default="epd")
+    _add_connect_flags(down)
     down.set_defaults(func=_cmd_down, parser=down)
 
     demo = command("demo", help="serve a checkpoint, send one image request, compare with transformers")
@@ -107,6 +108,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_generate_parser(command)
     _add_bench_parser(command)
     return parser
+
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long `epd status`, `scale` and `down` try to reach a deployment before giving up."""
+
+
+def _add_connect_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", default="epd",
+                        help="Ray namespace of the deployment (`epd serve` and `epd deploy` use epd unless told)")
+    parser.add_argument("--connect-timeout", type=_float_in(0, 3600, low_open=True), default=CONNECT_TIMEOUT_S,
+                        metavar="S", help="seconds to reach the deployment before giving up")
 
 
 def _add_log_flags(parser: argparse.ArgumentParser) -> None:
@@ -514,15 +526,83 @@ def _cmd_deploy(args) -> int:
 
 
 def _connect(args):
-    """The deployment's controller, or exit with one line saying why there is none."""
+    """The deployment's controller, or exit with one line saying why there is none, within
+    ``--connect-timeout`` seconds.
+
+    A dead address would keep Ray's driver retrying for minutes (with its C++ warnings), so the
+    GCS port is first probed with a plain TCP connect; then ray.init runs in a thread this one
+    waits on, so that a GCS that accepts and never answers is given up on at the deadline and
+    Ctrl-C works at once. A connection abandoned half-made cannot be shut down cleanly, so those
+    two ends leave at once (``os._exit``) after saying why."""
+    import threading
+
+    deadline = time.monotonic() + args.connect_timeout
+    why = _tcp_probe(args.address, args.connect_timeout)
+    if why:
+        _no_deployment(args, why)
     _ray_env(args.address)
     from control import controller
 
+    found: dict = {}
+
+    def join() -> None:
+        try:
+            found["handle"] = controller.connect(args.address, args.namespace)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            found["error"] = error
+
+    thread = threading.Thread(target=join, name="ray-connect", daemon=True)
+    # Ray's driver logs each failed try from C++ straight onto fd 2 (what it means is said below).
+    sys.stderr.flush()
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
     try:
-        return controller.connect(args.address, args.namespace)
-    except (RuntimeError, ConnectionError) as error:
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        os.dup2(saved, 2)
+        print(file=sys.stderr, flush=True)
+        os._exit(130)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+    if thread.is_alive():
+        _no_deployment(args, f"no answer within {args.connect_timeout:g} s", abandon=True)
+    error = found.get("error")
+    if isinstance(error, (RuntimeError, ConnectionError)):
         print(f"{args.parser.prog}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    if error is not None:
+        _no_deployment(args, f"{type(error).__name__}: {_last_line_of(error)}")
+    return found["handle"]
+
+
+def _tcp_probe(address: str, timeout_s: float) -> str:
+    """Why nothing takes a TCP connection at ``address`` within ``timeout_s`` ('' when something does)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 5.0)):
+            return ""
+    except socket.timeout:
+        return f"no answer within {min(timeout_s, 5.0):g} s"
+    except OSError as error:
+        return (error.strerror or str(error)).lower()
+
+
+def _no_deployment(args, why: str, abandon: bool = False) -> None:
+    print(f"{args.parser.prog}: no epd deployment answers at {args.address} ({why})", file=sys.stderr, flush=True)
+    if abandon:
+        sys.stdout.flush()
+        os._exit(1)
+    raise SystemExit(1)
+
+
+def _last_line_of(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _ask(handle, method: str, *args, wait_s: float = 120.0):
