@@ -445,13 +445,19 @@ def _check_checkpoint(args, model_dir: str) -> None:
 
 
 def _port_in_use(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound now ('' when it can, or when the port is 0)."""
+    """Why ``host:port`` cannot be bound now ('' when it can, or when the port is 0).
+
+    Bound the way the servers bind it: with SO_REUSEADDR (gRPC sets it, and so does the HTTP
+    front), so connections of a stopped deployment still in TIME_WAIT do not block a restart on
+    the same port for a minute, while a port another process listens on is still refused. (Not
+    SO_REUSEPORT, which gRPC sets too: with it a second server would share a listening port.)"""
     import socket
 
     if not port:
         return ""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
     except OSError as error:
         return f"cannot listen on {host}:{port}: {error.strerror}"
