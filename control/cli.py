@@ -20,6 +20,28 @@ from control import flags
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit: a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`epd status | head -4`): stop quietly, with the shell's status for
+        # SIGPIPE; stdout points at /dev/null so the interpreter's last flush finds no pipe either.
+        _quiet_closed_pipe()
+        return 141
+
+
+def _quiet_closed_pipe() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    os.close(devnull)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `epd bench decode-step` has its own options; `epd bench --addr ...` must not need a subcommand.
     decode_step = argv[:2] == ["bench", "decode-step"]
@@ -674,29 +696,57 @@ def _cmd_status(args) -> int:
 
 
 def _print_status(status: dict, header: bool) -> None:
+    print("\n".join(status_lines(status, header)), flush=True)
+
+
+_NOW = {"serving": "serving", "starting": "starting", "not_serving": "not serving", "unreachable": "not answering",
+        "dead": "dead", "unplaced": "waiting for a node", "draining": "draining"}
+"""How a replica's state reads in a role's header (what it does now)."""
+_HISTORY = ("unhealthy", "recovered", "restarted", "died", "replaced")
+
+
+def status_lines(status: dict, header: bool = False) -> list[str]:
+    """`epd status` as text. A role's header says what its replicas do now (`router: 1 of 1
+    serving`, `prefill: 0 of 1 serving, 1 not answering`); what happened to them since the
+    controller started (unhealthy, recovered, ...) is counted apart, under "history", with the
+    latest events after it."""
+    lines = []
     if header:
-        print(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
+        lines.append(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
     if status.get("failed"):
-        print(f"deployment stopped: {status['failed']}")
+        lines.append(f"deployment stopped: {status['failed']}")
     where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
-        counts = status["counts"][role]
-        life = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
-        print(f"{role}: {len(replicas)} of {status['desired'][role]}" + (f" ({life})" if life else ""))
+        now: dict[str, int] = {}
+        for replica in replicas:
+            state = "draining" if replica["draining"] else replica["state"]
+            now[state] = now.get(state, 0) + 1
+        serving = now.pop("serving", 0)
+        others = "".join(f", {n} {_NOW.get(state, state.replace('_', ' '))}" for state, n in sorted(now.items()))
+        lines.append(f"{role}: {serving} of {status['desired'][role]} serving{others}")
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
             work = "" if replica.get("in_flight") is None else f"  {replica['in_flight']} in flight"
-            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}"
-                  f"{http}{work}")
+            lines.append(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} "
+                         f"{replica['address']}{http}{work}")
     for entry in status.get("unplaced", []):
-        print(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
-              f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
+        lines.append(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
+                     f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
+    history = []
+    for role, counts in status["counts"].items():
+        events = ", ".join(f"{counts[kind]} {kind}" for kind in _HISTORY if counts.get(kind))
+        if events:
+            history.append(f"{role} {events}")
+    if history or status["events"]:
+        lines.append("history (since the controller started, not the state now): "
+                     + ("; ".join(history) if history else "no failures"))
     for event in status["events"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""
-        print(f"{when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
-    print(f"metrics  http://{status['metrics']}/metrics", flush=True)
+        lines.append(f"  {when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
+    lines.append(f"metrics  http://{status['metrics']}/metrics")
+    return lines
 
 
 def _cmd_down(args) -> int:

@@ -169,7 +169,8 @@ class Controller:
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "in_flight": in_flight.get(replica.name),
                 "state": "unplaced" if replica.name in waiting else _state(replica)})
-        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
+        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy",
+                                                                              "recovered")}
                   for role in ROLES}
         return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
