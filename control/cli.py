@@ -403,7 +403,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from control.local import LocalStack, wait_forever
+    from control.local import LocalStack, StoppedElsewhere, wait_forever
     from epd.config import ConfigError
 
     _setup_logging(args)
@@ -433,11 +433,14 @@ def _cmd_serve(args) -> int:
         pass
     except DeploymentFailed as error:  # a role cannot start: stop everything, say why
         failed = _cause(error)
+    except StoppedElsewhere as error:  # `epd down`: its roles are gone; Ray and Redis go too
+        print(f"epd serve: {error}", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
-        print("epd stopping: draining the routers", file=sys.stderr, flush=True)
+        print("epd stopping: draining the routers" if stack.controller is not None else "epd stopping",
+              file=sys.stderr, flush=True)
         drained = stack.stop()
         if drained.get("in_flight"):
             print(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "

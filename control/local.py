@@ -183,9 +183,13 @@ def _mute_worker_output_at_exit() -> None:
         pass
 
 
+class StoppedElsewhere(Exception):
+    """Another command (`epd down`) stopped the deployment `epd serve` runs."""
+
+
 def wait_forever(stack: LocalStack | None = None, every_s: float = 2.0) -> None:
-    """Until interrupted, or (with ``stack``) until its deployment stops itself or its controller
-    is gone: raises ``DeploymentFailed`` saying why."""
+    """Until interrupted, or (with ``stack``) until its deployment stops itself (raises
+    ``DeploymentFailed`` saying why) or its controller is gone for good (``StoppedElsewhere``)."""
     while True:
         time.sleep(every_s if stack is not None else 3600)
         if stack is None or stack.controller is None:
@@ -197,7 +201,8 @@ def wait_forever(stack: LocalStack | None = None, every_s: float = 2.0) -> None:
         try:
             failed = ray.get(stack.controller.failure.remote(), timeout=60)
         except ray.exceptions.ActorDiedError:
-            raise DeploymentFailed("the deployment's controller was stopped (`epd down`)") from None
+            stack.controller = None  # gone for good: `epd down` stopped every role; stop the rest
+            raise StoppedElsewhere("the deployment was stopped (`epd down`)") from None
         except Exception:  # noqa: BLE001 - restarting or busy: look again next time
             continue
         if failed:
