@@ -1,5 +1,6 @@
 """One real `epd serve`, then what an operator does to it from another shell (issue 21):
-`epd status` answers (its header the state now) and is quiet when its reader goes away
+server reflection answers as v1 and v1alpha listing every service of the router's port, health
+included (`grpcurl list`); `epd status` answers (its header the state now) and is quiet when its reader goes away
 (`epd status | head -4`), and `epd down` ends `epd serve` itself, not only its roles."""
 
 from __future__ import annotations
@@ -8,13 +9,43 @@ import os
 import subprocess
 import sys
 
+import grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+
 from tests.conftest import ServeProcess, epd, ray_address
+
+
+def _reflect(address: str, version: str, request: reflection_pb2.ServerReflectionRequest):
+    """One ServerReflectionInfo exchange over ``grpc.reflection.<version>`` (v1 and v1alpha
+    messages are the same on the wire)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        return next(iter(call(iter([request]), timeout=30)))
+
+
+def _check_reflection(address: str) -> None:
+    expected = {"epd.v1.Router", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"}
+    for version in ("v1", "v1alpha"):
+        listed = _reflect(address, version, reflection_pb2.ServerReflectionRequest(list_services=""))
+        assert {s.name for s in listed.list_services_response.service} == expected, (version, listed)
+        for symbol in ("grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "epd.v1.Router"):
+            found = _reflect(address, version, reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol))
+            assert found.HasField("file_descriptor_response"), (version, symbol, found)
+            files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                     for raw in found.file_descriptor_response.file_descriptor_proto]
+            package, _, service = symbol.rpartition(".")
+            assert any(f.package == package and service in [s.name for s in f.service] for f in files), (symbol, files)
 
 
 def test_status_then_down_ends_epd_serve(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
     server = ServeProcess(tiny_model_dir, "--encoders", "1", log_path=str(log))
     try:
+        _check_reflection(server.address)
         ray = ray_address(server)
         out = epd("status", "--address", ray, timeout=120)
         assert out.returncode == 0, out.stderr
