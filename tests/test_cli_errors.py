@@ -74,33 +74,38 @@ def test_a_failed_call_prints_the_status_name_and_message():
 
 
 def test_ctrl_c_on_generate_exits_quietly_with_130():
-    """A router that accepts the connection and never answers: the command is inside its call
-    when Ctrl-C arrives."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        accepted = threading.Event()
-        held = []
+    """A router that takes the call and holds it: SIGINT is sent once the call is known to be in
+    flight at the server (a real gRPC server speaking HTTP/2, so the client never gives up on
+    its own first, as it did against a bare TCP listener under load: "ping timeout")."""
+    from concurrent import futures
 
-        def accept():
-            connection, _ = listener.accept()
-            held.append(connection)
-            accepted.set()
+    import grpc
 
-        threading.Thread(target=accept, daemon=True).start()
-        proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr",
-                                 f"127.0.0.1:{listener.getsockname()[1]}", "--prompt", "hi"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert accepted.wait(60), "epd generate never connected"
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            for connection in held:
-                connection.close()
+    in_flight, release = threading.Event(), threading.Event()
+
+    def generate(request, context):
+        in_flight.set()
+        while context.is_active() and not release.wait(0.05):
+            pass
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "epd.v1.Router", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr", f"127.0.0.1:{port}",
+                             "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert in_flight.wait(120), "epd generate's call never reached the server"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        release.set()
+        server.stop(0).wait(10)
     assert proc.returncode == 130, (proc.returncode, stderr)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.strip() == "", stderr
