@@ -382,11 +382,11 @@ def _cmd_bench_decode_step(args) -> int:
 
 
 def _cmd_model_create(args) -> int:
-    from epd.checkpoint import create_checkpoint
-
     out = args.out
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.overwrite:
         args.parser.error(f"{out} exists and is not empty; pass --overwrite to replace it")
+    from epd.checkpoint import create_checkpoint  # torch and transformers: seconds, only once it is a go
+
     path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0

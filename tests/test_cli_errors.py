@@ -123,6 +123,29 @@ def test_model_create_refuses_a_non_empty_out_and_overwrite_replaces_it(tmp_path
     assert (out_dir / "config.json").is_file()
 
 
+def test_model_create_refuses_an_existing_out_before_importing_torch(tmp_path):
+    """The refusal takes a fraction of a second: it comes before torch and transformers are imported."""
+    (tmp_path / "notes.txt").write_text("mine")
+    check = ("import sys\nfrom control import cli\ntry:\n    cli.main(['model', 'create', '--preset', 'tiny', "
+             f"'--out', {str(tmp_path)!r}])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules, code)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False", "2"], (out.stdout, out.stderr)
+    assert "exists and is not empty; pass --overwrite" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["scale", "status", "down"])
+def test_every_argument_of_the_deployment_commands_has_help(command):
+    out = epd(command, "--help", timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "--namespace NAMESPACE Ray namespace of the deployment" in text, text
+    assert "--connect-timeout S seconds to reach the deployment before giving up (default: 10.0)" in text, text
+    if command == "scale":
+        assert "count replicas the role should have, in [1, 256]" in text, text
+        assert "the role to scale" in text, text
+
+
 def test_serve_refuses_a_busy_port_before_starting_ray(tiny_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
