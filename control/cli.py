@@ -521,6 +521,10 @@ def _cmd_deploy(args) -> int:
     except ConfigError as error:
         args.parser.error(str(error))
     _check_checkpoint(args, config.serve.model_dir)
+    why = _tcp_probe(args.address, CONNECT_TIMEOUT_S)
+    if why:  # else Ray's driver would retry for minutes
+        print(f"epd deploy: no Ray cluster answers at {args.address} ({why})", file=sys.stderr)
+        return 1
     _setup_logging(args)
     _ray_env(args.address)
     import ray
@@ -733,6 +737,8 @@ def status_lines(status: dict, header: bool = False) -> list[str]:
             work = "" if replica.get("in_flight") is None else f"  {replica['in_flight']} in flight"
             lines.append(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} "
                          f"{replica['address']}{http}{work}")
+    for role, why in status.get("not_replacing", {}).items():
+        lines.append(f"{role}: not starting more replicas: {why} (`epd scale` tries again)")
     for entry in status.get("unplaced", []):
         lines.append(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
                      f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")

@@ -35,7 +35,7 @@ import ray
 from grpc_health.v1 import health_pb2
 
 from control.autoscale import AutoscalePolicy, Decision
-from control.fleet import DeploymentFailed, Fleet, Probe, unplaced  # noqa: F401 - DeploymentFailed for callers
+from control.fleet import DeploymentFailed, Fleet, Probe, StartFailures, unplaced  # noqa: F401 - DeploymentFailed for callers
 from epd import discovery, rpc
 from epd.config import ROLES, DeployConfig
 
@@ -82,10 +82,11 @@ class Controller:
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
         # Replicas whose constructor raised (Ray does not restart those): name -> the error's last
-        # line. A role whose new replicas fail so ``max_start_failures`` times in a row, none of
-        # them ever serving, will not get better by trying again: the deployment stops with why.
+        # line. A role whose new replicas fail so ``max_start_failures`` times in a row will not
+        # get better by trying again: with none of it serving the deployment stops with why, else
+        # no more of it are started (``control.fleet.StartFailures``).
         self._init_failed: dict[str, str] = {}
-        self._start_failures = {role: 0 for role in ROLES}
+        self._start_failures = StartFailures(config.max_start_failures)
         self.failed = ""  # why the deployment stopped itself ("" while it runs)
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
         self._adopt()
@@ -103,6 +104,9 @@ class Controller:
         while not all(self.fleet.healthy_count(role) >= self._desired[role] for role in ROLES):
             if self.failed:
                 raise DeploymentFailed(self.failed)
+            for role, why in list(self._start_failures.holding.items()):
+                if self.fleet.healthy_count(role) < self._desired[role]:  # starting: cannot reach its count
+                    raise DeploymentFailed(why)
             if time.monotonic() > deadline:
                 missing = {r: self._desired[r] - self.fleet.healthy_count(r) for r in ROLES
                            if self.fleet.healthy_count(r) < self._desired[r]}
@@ -174,7 +178,7 @@ class Controller:
                   for role in ROLES}
         return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
-                "failed": self.failed,
+                "failed": self.failed, "not_replacing": dict(self._start_failures.holding),
                 "unplaced": list(self.unplaced),
                 "autoscale": {"enabled": self.config.autoscale.enabled,
                               "min_replicas": self.config.autoscale.min_replicas,
@@ -211,9 +215,13 @@ class Controller:
             if count < len(names):
                 self._remove(role, names[count - len(names):])  # the newest go first
             else:
+                with self._lock:  # asked again: try again
+                    self._start_failures.reset(role)
                 self._fill(role)
                 deadline = time.monotonic() + self.config.start_timeout_s
                 while self.fleet.healthy_count(role) < count and time.monotonic() < deadline:
+                    if self.failed or role in self._start_failures.holding:
+                        raise RuntimeError(self.failed or self._start_failures.holding[role])
                     time.sleep(0.2)
             return self.num_replicas(role)
 
@@ -397,7 +405,7 @@ class Controller:
                 log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
                         f" after {event.seconds:.1f}s" if event.seconds else "")
                 if event.kind in ("joined", "replaced"):
-                    self._start_failures[event.role] = 0
+                    self._start_failures.reset(event.role)
             # The registry's flag says whether the replica itself works: one that answers but says
             # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
             reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
@@ -408,16 +416,20 @@ class Controller:
                 reason = self._init_failed.pop(name, "")
                 self._kill(name, reason=f"its constructor failed: {reason}" if reason else "")
                 if reason:
-                    self._start_failures[role] += 1
-                    log.error("%s %s failed to start (%d in a row): %s", role, name, self._start_failures[role],
-                              reason)
-                    if self._start_failures[role] >= self.config.max_start_failures:
-                        self._give_up(f"{role} replicas failed to start {self._start_failures[role]} times in a "
-                                      f"row, last: {reason}")
+                    action, why = self._start_failures.failed(role, reason, self.fleet.healthy_count(role))
+                    log.error("%s %s failed to start (%d in a row): %s", role, name,
+                              self._start_failures.in_a_row[role], reason)
+                    if action == "stop":  # none of the role serves: the deployment cannot serve
+                        self._give_up(why)
                         return
+                    if action == "hold":  # some still serve: keep them, start no more
+                        log.error("%s; not starting more %s replicas (`epd scale` tries again)", why, role)
+                        continue
                 with self._role_locks[role]:
                     self._fill(role, replaces=name, dead_at=dead_at)
         for role in ROLES:
+            if role in self._start_failures.holding:
+                continue
             if self._role_locks[role].acquire(blocking=False):  # not while a scale of it is running
                 try:
                     self._fill(role)

@@ -65,3 +65,12 @@ def test_a_deployment_that_stopped_itself_says_why_first(capsys):
     assert lines[0] == ("deployment stopped: router replicas failed to start 3 times in a row, last: ValueError: "
                         "no config.json"), lines
     assert "router: 0 of 1 serving" in lines, lines
+
+
+def test_a_role_that_starts_no_more_replicas_says_why(capsys):
+    status = _status({"prefill": [_replica("prefill-2", "serving")]}, {}, [], desired={"prefill": 2})
+    status["not_replacing"] = {"prefill": "prefill replicas failed to start 3 times in a row, last: OSError: x"}
+    lines = _lines(status, capsys)
+    assert "prefill: 1 of 2 serving" in lines, lines
+    assert ("prefill: not starting more replicas: prefill replicas failed to start 3 times in a row, last: "
+            "OSError: x (`epd scale` tries again)") in lines, lines
