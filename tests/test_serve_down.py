@@ -51,6 +51,11 @@ def test_status_then_down_ends_epd_serve(tiny_model_dir, tmp_path):
         assert out.returncode == 0, out.stderr
         assert "router: 1 of 1 serving" in out.stdout.splitlines(), out.stdout
 
+        scale = epd("scale", "--address", ray, "encoders", "1", timeout=300)
+        assert (scale.returncode, scale.stdout.strip()) == (0, "encoders: 1"), scale.stderr
+        nobody = epd("status", "--address", ray, "--namespace", "nobody", timeout=120)
+        assert nobody.returncode == 1 and "no epd deployment in namespace 'nobody'" in nobody.stderr, nobody.stderr
+
         read, write = os.pipe()
         os.close(read)  # the reader is gone before status writes a byte: `| head -0`
         closed = subprocess.run([sys.executable, "-m", "control.cli", "status", "--address", ray], stdout=write,
