@@ -53,8 +53,6 @@ ROLE_ACTORS = {
 REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
 MAX_RESTARTS = 3
 """Ray restarts a replica whose process died this many times; after that the controller replaces it."""
-START_FAILURES_KEPT = 10
-"""How many constructor failures per role the controller remembers (their messages)."""
 STATUS_WAIT_S = 2.0
 """How long `epd status` waits for a replica to say how much work it holds."""
 
