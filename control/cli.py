@@ -649,6 +649,9 @@ def _ask(handle, method: str, *args, wait_s: float = 120.0):
     while True:
         try:
             return ray.get(getattr(handle, method).remote(*args))
+        except ray.exceptions.ActorDiedError:  # `epd down` (or a lost head) while this command ran
+            print("epd: the deployment was stopped", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise

@@ -64,9 +64,20 @@ def test_status_then_down_ends_epd_serve(tiny_model_dir, tmp_path):
         assert closed.returncode == 141, (closed.returncode, closed.stderr)
         assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr
 
+        watch = subprocess.Popen([sys.executable, "-m", "control.cli", "status", "--address", ray, "--watch", "0.5"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watch.stdout.readline().startswith("--- "), watch.stderr.read()  # it watches
         down = epd("down", "--address", ray, timeout=300)
         assert down.returncode == 0, down.stderr
         assert "epd deployment 'epd' stopped" in down.stdout, down.stdout
+        try:  # the watch ends too, in one line
+            _, watched = watch.communicate(timeout=60)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
+        assert watch.returncode == 1 and watched.strip().splitlines()[-1] == "epd: the deployment was stopped", watched
+        assert "Traceback" not in watched, watched
         server.proc.wait(timeout=90)  # before: `epd serve` ran on with nothing behind it
         assert server.proc.returncode == 0, log.read_text()[-3000:]
         assert "epd serve: the deployment was stopped (`epd down`)" in log.read_text(), log.read_text()[-3000:]
