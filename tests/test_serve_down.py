@@ -6,6 +6,7 @@ included (`grpcurl list`); `epd status` answers (its header the state now) and i
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -41,10 +42,14 @@ def _check_reflection(address: str) -> None:
             assert any(f.package == package and service in [s.name for s in f.service] for f in files), (symbol, files)
 
 
-def test_status_then_down_ends_epd_serve(tiny_model_dir, tmp_path):
+def test_status_then_down_ends_epd_serve_and_a_restart_takes_the_same_ports(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
-    server = ServeProcess(tiny_model_dir, "--encoders", "1", log_path=str(log))
+    port, http_port = _free_port(), _free_port()
+    ports = ("--port", str(port), "--http-port", str(http_port))
+    server = ServeProcess(tiny_model_dir, "--encoders", "1", *ports, log_path=str(log))
     try:
+        assert server.address == f"127.0.0.1:{port}"
+        _touch_http(http_port)  # connections the router closes on stop: TIME_WAIT on its ports
         _check_reflection(server.address)
         ray = ray_address(server)
         out = epd("status", "--address", ray, timeout=120)
@@ -81,6 +86,47 @@ def test_status_then_down_ends_epd_serve(tiny_model_dir, tmp_path):
         server.proc.wait(timeout=90)  # before: `epd serve` ran on with nothing behind it
         assert server.proc.returncode == 0, log.read_text()[-3000:]
         assert "epd serve: the deployment was stopped (`epd down`)" in log.read_text(), log.read_text()[-3000:]
+        for connection in _HELD:  # the router closed it first (its end waits in TIME_WAIT once this one closes)
+            connection.settimeout(30)
+            while connection.recv(65536):
+                pass
+            connection.close()
     finally:
         left = server.stop()
+        for connection in _HELD:
+            connection.close()
     assert left == [], f"epd serve left processes behind: {left}"
+
+    # At once on the same ports (before: "cannot listen on 127.0.0.1:P: Address already in use"
+    # while the stopped router's connections sat in TIME_WAIT).
+    waiting = _states(port) | _states(http_port)
+    assert "06" in waiting, f"no connection in TIME_WAIT on the ports ({waiting}): the restart proves nothing"
+    again = ServeProcess(tiny_model_dir, "--encoders", "1", *ports, log_path=str(tmp_path / "again.log"))
+    try:
+        assert again.address == f"127.0.0.1:{port}", waiting
+    finally:
+        assert again.stop() == [], "the restarted epd serve left processes behind"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _touch_http(port: int) -> None:
+    """A kept-alive HTTP connection to the front, which the router's side closes when it stops."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert connection.recv(65536).startswith(b"HTTP/1.1 "), "the HTTP front did not answer"
+    _HELD.append(connection)
+
+
+_HELD: list[socket.socket] = []
+
+
+def _states(port: int) -> set[str]:
+    """TCP states (hex, /proc/net/tcp) of the IPv4 sockets on local port ``port``; 06 is TIME_WAIT."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {row[3] for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port}
