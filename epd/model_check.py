@@ -12,7 +12,7 @@ import json
 import os
 
 SUPPORTED_MODEL_TYPE = "qwen3_5"
-SUPPORTED = "Qwen3.5 vision-language checkpoints (config.json model_type 'qwen3_5', Qwen3_5ForConditionalGeneration)"
+SUPPORTED = "Qwen3.5 vision-language checkpoints only (Qwen3_5ForConditionalGeneration)"
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -37,5 +37,5 @@ def check_model_type(model_dir) -> dict:
         architectures = raw.get("architectures") or []
         what = f" ({', '.join(map(str, architectures))})" if isinstance(architectures, list) and architectures else ""
         raise UnsupportedCheckpoint(f"{path}: model_type is {model_type!r}{what}, expected "
-                                    f"{SUPPORTED_MODEL_TYPE!r}; epd serves {SUPPORTED} only")
+                                    f"{SUPPORTED_MODEL_TYPE!r}: epd serves {SUPPORTED}")
     return raw
