@@ -47,9 +47,10 @@ def test_status_then_down_ends_epd_serve_and_a_restart_takes_the_same_ports(tiny
     port, http_port = _free_port(), _free_port()
     ports = ("--port", str(port), "--http-port", str(http_port))
     server = ServeProcess(tiny_model_dir, "--encoders", "1", *ports, log_path=str(log))
+    held, watch = None, None
     try:
         assert server.address == f"127.0.0.1:{port}"
-        _touch_http(http_port)  # connections the router closes on stop: TIME_WAIT on its ports
+        held = _touch_http(http_port)  # a connection the router closes on stop: TIME_WAIT on its port
         _check_reflection(server.address)
         ray = ray_address(server)
         out = epd("status", "--address", ray, timeout=120)
@@ -75,26 +76,23 @@ def test_status_then_down_ends_epd_serve_and_a_restart_takes_the_same_ports(tiny
         down = epd("down", "--address", ray, timeout=300)
         assert down.returncode == 0, down.stderr
         assert "epd deployment 'epd' stopped" in down.stdout, down.stdout
-        try:  # the watch ends too, in one line
-            _, watched = watch.communicate(timeout=60)
-        finally:
-            if watch.poll() is None:
-                watch.kill()
-                watch.wait()
+        _, watched = watch.communicate(timeout=60)  # the watch ends too, in one line
         assert watch.returncode == 1 and watched.strip().splitlines()[-1] == "epd: the deployment was stopped", watched
         assert "Traceback" not in watched, watched
         server.proc.wait(timeout=90)  # before: `epd serve` ran on with nothing behind it
         assert server.proc.returncode == 0, log.read_text()[-3000:]
         assert "epd serve: the deployment was stopped (`epd down`)" in log.read_text(), log.read_text()[-3000:]
-        for connection in _HELD:  # the router closed it first (its end waits in TIME_WAIT once this one closes)
-            connection.settimeout(30)
-            while connection.recv(65536):
-                pass
-            connection.close()
+        held.settimeout(30)  # the router closed it first: its end waits in TIME_WAIT once this one closes
+        while held.recv(65536):
+            pass
+        held.close()
     finally:
         left = server.stop()
-        for connection in _HELD:
-            connection.close()
+        if held is not None:
+            held.close()
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait()
     assert left == [], f"epd serve left processes behind: {left}"
 
     # At once on the same ports (before: "cannot listen on 127.0.0.1:P: Address already in use"
@@ -114,15 +112,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _touch_http(port: int) -> None:
+def _touch_http(port: int) -> socket.socket:
     """A kept-alive HTTP connection to the front, which the router's side closes when it stops."""
     connection = socket.create_connection(("127.0.0.1", port), timeout=30)
     connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert connection.recv(65536).startswith(b"HTTP/1.1 "), "the HTTP front did not answer"
-    _HELD.append(connection)
-
-
-_HELD: list[socket.socket] = []
+    return connection
 
 
 def _states(port: int) -> set[str]:
