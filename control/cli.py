@@ -403,7 +403,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from control.local import LocalStack, StoppedElsewhere, wait_forever
+    from control.local import LocalStack, StartError, StoppedElsewhere, wait_forever
     from epd.config import ConfigError
 
     _setup_logging(args)
@@ -431,8 +431,8 @@ def _cmd_serve(args) -> int:
         wait_forever(stack)
     except KeyboardInterrupt:
         pass
-    except DeploymentFailed as error:  # a role cannot start: stop everything, say why
-        failed = _cause(error)
+    except (DeploymentFailed, StartError, TimeoutError) as error:  # stop everything, say why in one line
+        failed = _cause(error)  # (a role cannot start, Redis cannot be reached, replicas not serving in time)
     except StoppedElsewhere as error:  # `epd down`: its roles are gone; Ray and Redis go too
         print(f"epd serve: {error}", file=sys.stderr, flush=True)
     finally:

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 REDIS_KEEPER_NAME = "redis"
 
 
+class StartError(RuntimeError):
+    """The stack cannot start for a reason the operator can fix (an unreachable Redis); one line."""
+
+
 class LocalStack:
     def __init__(self, config: DeployConfig) -> None:
         if not config.serve.security.internal_token:  # internal services only answer the deployment's own calls
@@ -104,7 +108,7 @@ class LocalStack:
         try:
             store.ping()
         except Exception as error:
-            raise RuntimeError(f"cannot reach Redis at {redact_url(self.redis_url)}: {error}") from None
+            raise StartError(f"cannot reach Redis at {redact_url(self.redis_url)}: {error}") from None
         finally:
             store.close()
 

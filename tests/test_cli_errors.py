@@ -179,3 +179,12 @@ def test_serve_without_a_checkpoint_is_one_line(tmp_path):
 def test_no_command_prints_help_and_fails():
     out = epd(timeout=60)
     assert out.returncode == 2 and "usage: epd" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_serve_with_an_unreachable_redis_stops_in_one_line(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    out = epd("serve", "--model", tiny_model_dir, "--redis", f"redis://127.0.0.1:{closed}/0", timeout=180)
+    assert_one_line_error(out, "epd serve: stopped: ", f"cannot reach Redis at redis://127.0.0.1:{closed}/0",
+                          code=1)
