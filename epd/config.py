@@ -447,9 +447,9 @@ class DeployConfig:
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
     max_start_failures: int = 3
-    """A role whose new replicas' constructors fail this many times in a row (none serving in
-    between: a wrong checkpoint, a missing file) stops the deployment with the error instead of
-    being replaced forever."""
+    """A role whose new replicas' constructors fail this many times in a row (none joining in
+    between: a wrong checkpoint, a missing file) is not replaced forever: with none of it serving
+    the deployment stops with the error, else no more of it are started until `epd scale`."""
 
     def __post_init__(self) -> None:
         for name in ("num_encoders", "num_encode_services", "num_prefill", "num_decode", "num_routers"):
