@@ -24,6 +24,28 @@ PRESET_NAMES = ("tiny", "tiny-32k", "qwen3.5-0.8b")
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit: a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`epd status | head -4`): stop quietly, with the shell's status for
+        # SIGPIPE; stdout points at /dev/null so the interpreter's last flush finds no pipe either.
+        _quiet_closed_pipe()
+        return 141
+
+
+def _quiet_closed_pipe() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    os.close(devnull)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `epd bench decode-step` has its own options; `epd bench --addr ...` must not need a subcommand.
     decode_step = argv[:2] == ["bench", "decode-step"]
@@ -85,14 +107,15 @@ def _parser() -> argparse.ArgumentParser:
 
     scale = command("scale", help="change a role's replica count on a running deployment")
     scale.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    scale.add_argument("--namespace", default="epd")
-    scale.add_argument("role", choices=list(_ROLE_NAMES))
-    scale.add_argument("count", type=_int_in(1, 256))
+    _add_connect_flags(scale)
+    scale.add_argument("role", choices=list(_ROLE_NAMES), help="the role to scale")
+    scale.add_argument("count", type=_int_in(1, 256),
+                       help="replicas the role should have, in [1, 256]; scaling down drains the newest first")
     scale.set_defaults(func=_cmd_scale, parser=scale)
 
     status = command("status", help="a deployment's replicas and where Ray placed them")
     status.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    status.add_argument("--namespace", default="epd")
+    _add_connect_flags(status)
     status.add_argument("--json", action="store_true", help="one JSON object per look (with Ray's placements "
                         "unless --watch)")
     status.add_argument("--watch", type=_float_in(0.1, 3600), default=None, metavar="S",
@@ -101,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
 
     down = command("down", help="stop a deployment (the cluster keeps running)")
     down.add_argument("--address", required=True, type=_address, help="Ray cluster address")
-    down.add_argument("--namespace", default="epd")
+    _add_connect_flags(down)
     down.set_defaults(func=_cmd_down, parser=down)
 
     demo = command("demo", help="serve a checkpoint, send one image request, compare with transformers")
@@ -111,6 +134,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_generate_parser(command)
     _add_bench_parser(command)
     return parser
+
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long `epd status`, `scale` and `down` try to reach a deployment before giving up."""
+
+
+def _add_connect_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", default="epd",
+                        help="Ray namespace of the deployment (`epd serve` and `epd deploy` use epd unless told)")
+    parser.add_argument("--connect-timeout", type=_float_in(0, 3600, low_open=True), default=CONNECT_TIMEOUT_S,
+                        metavar="S", help="seconds to reach the deployment before giving up")
 
 
 def _add_log_flags(parser: argparse.ArgumentParser) -> None:
@@ -331,6 +365,7 @@ def _cmd_bench(args) -> int:
     except ConfigError as error:
         args.parser.error(str(error))
     if args.model:
+        _check_checkpoint(args, args.model)
         _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
     report = run_bench(config)
     print(format_report(report))
@@ -351,11 +386,11 @@ def _cmd_bench_decode_step(args) -> int:
 
 
 def _cmd_model_create(args) -> int:
-    from epd.checkpoint import create_checkpoint
-
     out = args.out
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.overwrite:
         args.parser.error(f"{out} exists and is not empty; pass --overwrite to replace it")
+    from epd.checkpoint import create_checkpoint  # torch and transformers: seconds, only once it is a go
+
     path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
@@ -367,11 +402,12 @@ def _cmd_demo(args) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         args.parser.error(f"{args.model!r} is not a checkpoint directory (no config.json); "
                           "create one with `epd model create --preset tiny --out DIR`")
+    _check_checkpoint(args, args.model)
     return run_demo(args.model)
 
 
 def _cmd_serve(args) -> int:
-    from control.local import LocalStack, wait_forever
+    from control.local import LocalStack, StartError, StoppedElsewhere, wait_forever
     from epd.config import ConfigError
 
     _setup_logging(args)
@@ -379,12 +415,16 @@ def _cmd_serve(args) -> int:
         config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    _check_checkpoint(args, config.serve.model_dir)
     for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
         busy = _port_in_use(config.serve.router.host, port or 0)
         if busy:
             args.parser.error(f"{option} {port}: {busy}")
     _raise_on_sigterm()
+    from control.fleet import DeploymentFailed
+
     stack = LocalStack(config)
+    failed = ""
     try:
         address = stack.start()
         print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
@@ -392,31 +432,61 @@ def _cmd_serve(args) -> int:
         for http in stack.http_addresses():
             print(f"epd http at {scheme}://{http}/v1", flush=True)
         print(f"epd ready at {address}", flush=True)
-        wait_forever()
+        wait_forever(stack)
     except KeyboardInterrupt:
         pass
+    except (DeploymentFailed, StartError, TimeoutError) as error:  # stop everything, say why in one line
+        failed = _cause(error)  # (a role cannot start, Redis cannot be reached, replicas not serving in time)
+    except StoppedElsewhere as error:  # `epd down`: its roles are gone; Ray and Redis go too
+        print(f"epd serve: {error}", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
-        print("epd stopping: draining the routers", file=sys.stderr, flush=True)
+        print("epd stopping: draining the routers" if stack.controller is not None else "epd stopping",
+              file=sys.stderr, flush=True)
         drained = stack.stop()
         if drained.get("in_flight"):
             print(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
                   f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", file=sys.stderr, flush=True)
         print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         print("epd stopped", flush=True)
-    return 0
+        if failed:
+            print(f"epd serve: stopped: {failed}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def _cause(error: BaseException) -> str:
+    """The message of an exception raised in a Ray actor (Ray's error carries it as ``cause``,
+    with the remote traceback in its own text), or of a local one."""
+    return str(getattr(error, "cause", None) or error)
+
+
+def _check_checkpoint(args, model_dir: str) -> None:
+    """Refuse a checkpoint epd cannot serve before Ray starts, by the check every role's loading
+    makes (else each role would fail in its constructor and be replaced in turn)."""
+    from epd.model_check import UnsupportedCheckpoint, check_model_type
+
+    try:
+        check_model_type(model_dir)
+    except UnsupportedCheckpoint as error:
+        args.parser.error(str(error))
 
 
 def _port_in_use(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound now ('' when it can, or when the port is 0)."""
+    """Why ``host:port`` cannot be bound now ('' when it can, or when the port is 0).
+
+    Bound the way the servers bind it: with SO_REUSEADDR (gRPC sets it, and so does the HTTP
+    front), so connections of a stopped deployment still in TIME_WAIT do not block a restart on
+    the same port for a minute, while a port another process listens on is still refused. (Not
+    SO_REUSEPORT, which gRPC sets too: with it a second server would share a listening port.)"""
     import socket
 
     if not port:
         return ""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
     except OSError as error:
         return f"cannot listen on {host}:{port}: {error.strerror}"
@@ -454,6 +524,11 @@ def _cmd_deploy(args) -> int:
                                     os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    _check_checkpoint(args, config.serve.model_dir)
+    why = _tcp_probe(args.address, CONNECT_TIMEOUT_S)
+    if why:  # else Ray's driver would retry for minutes
+        print(f"epd deploy: no Ray cluster answers at {args.address} ({why})", file=sys.stderr)
+        return 1
     _setup_logging(args)
     _ray_env(args.address)
     import ray
@@ -472,7 +547,11 @@ def _cmd_deploy(args) -> int:
             return 1
         except ValueError:
             pass
-        handle = controller.create_controller(config, detached=True)
+        try:
+            handle = controller.create_controller(config, detached=True)
+        except controller.DeploymentFailed as error:  # a role cannot start; the controller is gone again
+            print(f"epd deploy: stopped: {_cause(error)}", file=sys.stderr)
+            return 1
         status = ray.get(handle.status.remote())
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in ray.get(handle.http_addresses.remote()):
@@ -486,15 +565,83 @@ def _cmd_deploy(args) -> int:
 
 
 def _connect(args):
-    """The deployment's controller, or exit with one line saying why there is none."""
+    """The deployment's controller, or exit with one line saying why there is none, within
+    ``--connect-timeout`` seconds.
+
+    A dead address would keep Ray's driver retrying for minutes (with its C++ warnings), so the
+    GCS port is first probed with a plain TCP connect; then ray.init runs in a thread this one
+    waits on, so that a GCS that accepts and never answers is given up on at the deadline and
+    Ctrl-C works at once. A connection abandoned half-made cannot be shut down cleanly, so those
+    two ends leave at once (``os._exit``) after saying why."""
+    import threading
+
+    deadline = time.monotonic() + args.connect_timeout
+    why = _tcp_probe(args.address, args.connect_timeout)
+    if why:
+        _no_deployment(args, why)
     _ray_env(args.address)
     from control import controller
 
+    found: dict = {}
+
+    def join() -> None:
+        try:
+            found["handle"] = controller.connect(args.address, args.namespace)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            found["error"] = error
+
+    thread = threading.Thread(target=join, name="ray-connect", daemon=True)
+    # Ray's driver logs each failed try from C++ straight onto fd 2 (what it means is said below).
+    sys.stderr.flush()
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
     try:
-        return controller.connect(args.address, args.namespace)
-    except (RuntimeError, ConnectionError) as error:
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        os.dup2(saved, 2)
+        print(file=sys.stderr, flush=True)
+        os._exit(130)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+    if thread.is_alive():
+        _no_deployment(args, f"no answer within {args.connect_timeout:g} s", abandon=True)
+    error = found.get("error")
+    if isinstance(error, (RuntimeError, ConnectionError)):
         print(f"{args.parser.prog}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    if error is not None:
+        _no_deployment(args, f"{type(error).__name__}: {_last_line_of(error)}")
+    return found["handle"]
+
+
+def _tcp_probe(address: str, timeout_s: float) -> str:
+    """Why nothing takes a TCP connection at ``address`` within ``timeout_s`` ('' when something does)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 5.0)):
+            return ""
+    except socket.timeout:
+        return f"no answer within {min(timeout_s, 5.0):g} s"
+    except OSError as error:
+        return (error.strerror or str(error)).lower()
+
+
+def _no_deployment(args, why: str, abandon: bool = False) -> None:
+    print(f"{args.parser.prog}: no epd deployment answers at {args.address} ({why})", file=sys.stderr, flush=True)
+    if abandon:
+        sys.stdout.flush()
+        os._exit(1)
+    raise SystemExit(1)
+
+
+def _last_line_of(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _ask(handle, method: str, *args, wait_s: float = 120.0):
@@ -506,6 +653,9 @@ def _ask(handle, method: str, *args, wait_s: float = 120.0):
     while True:
         try:
             return ray.get(getattr(handle, method).remote(*args))
+        except ray.exceptions.ActorDiedError:  # `epd down` (or a lost head) while this command ran
+            print("epd: the deployment was stopped", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
@@ -560,27 +710,59 @@ def _cmd_status(args) -> int:
 
 
 def _print_status(status: dict, header: bool) -> None:
+    print("\n".join(status_lines(status, header)), flush=True)
+
+
+_NOW = {"serving": "serving", "starting": "starting", "not_serving": "not serving", "unreachable": "not answering",
+        "dead": "dead", "unplaced": "waiting for a node", "draining": "draining"}
+"""How a replica's state reads in a role's header (what it does now)."""
+_HISTORY = ("unhealthy", "recovered", "restarted", "died", "replaced")
+
+
+def status_lines(status: dict, header: bool = False) -> list[str]:
+    """`epd status` as text. A role's header says what its replicas do now (`router: 1 of 1
+    serving`, `prefill: 0 of 1 serving, 1 not answering`); what happened to them since the
+    controller started (unhealthy, recovered, ...) is counted apart, under "history", with the
+    latest events after it."""
+    lines = []
     if header:
-        print(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
+        lines.append(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
+    if status.get("failed"):
+        lines.append(f"deployment stopped: {status['failed']}")
     where = {r["name"]: r["node_ip"] or "?" for replicas in status["roles"].values() for r in replicas}
     for role, replicas in status["roles"].items():
-        counts = status["counts"][role]
-        life = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
-        print(f"{role}: {len(replicas)} of {status['desired'][role]}" + (f" ({life})" if life else ""))
+        now: dict[str, int] = {}
+        for replica in replicas:
+            state = "draining" if replica["draining"] else replica["state"]
+            now[state] = now.get(state, 0) + 1
+        serving = now.pop("serving", 0)
+        others = "".join(f", {n} {_NOW.get(state, state.replace('_', ' '))}" for state, n in sorted(now.items()))
+        lines.append(f"{role}: {serving} of {status['desired'][role]} serving{others}")
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
             work = "" if replica.get("in_flight") is None else f"  {replica['in_flight']} in flight"
-            print(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} {replica['address']}"
-                  f"{http}{work}")
+            lines.append(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} "
+                         f"{replica['address']}{http}{work}")
+    for role, why in status.get("not_replacing", {}).items():
+        lines.append(f"{role}: not starting more replicas: {why} (`epd scale` tries again)")
     for entry in status.get("unplaced", []):
-        print(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
-              f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
+        lines.append(f"{'/'.join(entry['roles'])}: {entry['count']} replica(s) cannot be placed (of "
+                     f"{', '.join(entry['replicas'])}, not serving): {entry['reason']}")
+    history = []
+    for role, counts in status["counts"].items():
+        events = ", ".join(f"{counts[kind]} {kind}" for kind in _HISTORY if counts.get(kind))
+        if events:
+            history.append(f"{role} {events}")
+    if history or status["events"]:
+        lines.append("history (since the controller started, not the state now): "
+                     + ("; ".join(history) if history else "no failures"))
     for event in status["events"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         took = f" ({event['seconds']:.1f} s)" if event["seconds"] else ""
-        print(f"{when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
-    print(f"metrics  http://{status['metrics']}/metrics", flush=True)
+        lines.append(f"  {when} {event['name']} {event['kind']}{took} {event['detail']}".rstrip())
+    lines.append(f"metrics  http://{status['metrics']}/metrics")
+    return lines
 
 
 def _cmd_down(args) -> int:

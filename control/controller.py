@@ -35,7 +35,7 @@ import ray
 from grpc_health.v1 import health_pb2
 
 from control.autoscale import AutoscalePolicy, Decision
-from control.fleet import Fleet, Probe, unplaced
+from control.fleet import DeploymentFailed, Fleet, Probe, StartFailures, unplaced  # noqa: F401 - DeploymentFailed for callers
 from epd import discovery, rpc
 from epd.config import ROLES, DeployConfig
 
@@ -79,6 +79,13 @@ class Controller:
         self.decisions: list[dict] = []
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
+        # Replicas whose constructor raised (Ray does not restart those): name -> the error's last
+        # line. A role whose new replicas fail so ``max_start_failures`` times in a row will not
+        # get better by trying again: with none of it serving the deployment stops with why, else
+        # no more of it are started (``control.fleet.StartFailures``).
+        self._init_failed: dict[str, str] = {}
+        self._start_failures = StartFailures(config.max_start_failures)
+        self.failed = ""  # why the deployment stopped itself ("" while it runs)
         self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
         self._adopt()
         self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
@@ -93,6 +100,11 @@ class Controller:
         """Wait until every role has its replicas serving; returns the routers' addresses."""
         deadline = time.monotonic() + self.config.start_timeout_s
         while not all(self.fleet.healthy_count(role) >= self._desired[role] for role in ROLES):
+            if self.failed:
+                raise DeploymentFailed(self.failed)
+            for role, why in list(self._start_failures.holding.items()):
+                if self.fleet.healthy_count(role) < self._desired[role]:  # starting: cannot reach its count
+                    raise DeploymentFailed(why)
             if time.monotonic() > deadline:
                 missing = {r: self._desired[r] - self.fleet.healthy_count(r) for r in ROLES
                            if self.fleet.healthy_count(r) < self._desired[r]}
@@ -159,15 +171,21 @@ class Controller:
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "in_flight": in_flight.get(replica.name),
                 "state": "unplaced" if replica.name in waiting else _state(replica)})
-        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy")}
+        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy",
+                                                                              "recovered")}
                   for role in ROLES}
         return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
                 "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
+                "failed": self.failed, "not_replacing": dict(self._start_failures.holding),
                 "unplaced": list(self.unplaced),
                 "autoscale": {"enabled": self.config.autoscale.enabled,
                               "min_replicas": self.config.autoscale.min_replicas,
                               "max_replicas": self.config.autoscale.max_replicas},
                 "decisions": list(self.decisions[-50:])}
+
+    def failure(self) -> str:
+        """Why the deployment stopped itself ("" while it runs): `epd serve` watches this."""
+        return self.failed
 
     def num_replicas(self, role: str) -> int:
         with self._lock:
@@ -195,9 +213,13 @@ class Controller:
             if count < len(names):
                 self._remove(role, names[count - len(names):])  # the newest go first
             else:
+                with self._lock:  # asked again: try again
+                    self._start_failures.reset(role)
                 self._fill(role)
                 deadline = time.monotonic() + self.config.start_timeout_s
                 while self.fleet.healthy_count(role) < count and time.monotonic() < deadline:
+                    if self.failed or role in self._start_failures.holding:
+                        raise RuntimeError(self.failed or self._start_failures.holding[role])
                     time.sleep(0.2)
             return self.num_replicas(role)
 
@@ -380,6 +402,8 @@ class Controller:
                 level = logging.INFO if event.kind in ("joined", "recovered") else logging.WARNING
                 log.log(level, "%s %s %s%s", event.role, event.name, event.kind,
                         f" after {event.seconds:.1f}s" if event.seconds else "")
+                if event.kind in ("joined", "replaced"):
+                    self._start_failures.reset(event.role)
             # The registry's flag says whether the replica itself works: one that answers but says
             # NOT_SERVING (nothing behind it serves) stays in rotation, and its callers learn why.
             reachable = probe in (Probe.SERVING, Probe.NOT_SERVING)
@@ -387,10 +411,23 @@ class Controller:
                 self.registry.mark.remote(name, reachable, endpoint.incarnation)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
-                self._kill(name)
+                reason = self._init_failed.pop(name, "")
+                self._kill(name, reason=f"its constructor failed: {reason}" if reason else "")
+                if reason:
+                    action, why = self._start_failures.failed(role, reason, self.fleet.healthy_count(role))
+                    log.error("%s %s failed to start (%d in a row): %s", role, name,
+                              self._start_failures.in_a_row[role], reason)
+                    if action == "stop":  # none of the role serves: the deployment cannot serve
+                        self._give_up(why)
+                        return
+                    if action == "hold":  # some still serve: keep them, start no more
+                        log.error("%s; not starting more %s replicas (`epd scale` tries again)", why, role)
+                        continue
                 with self._role_locks[role]:
                     self._fill(role, replaces=name, dead_at=dead_at)
         for role in ROLES:
+            if role in self._start_failures.holding:
+                continue
             if self._role_locks[role].acquire(blocking=False):  # not while a scale of it is running
                 try:
                     self._fill(role)
@@ -398,6 +435,13 @@ class Controller:
                     self._role_locks[role].release()
         self._find_unplaced()
         self.metrics.refresh()
+
+    def _give_up(self, reason: str) -> None:
+        """Stop reconciling and replacing: the deployment has stopped itself. `epd serve` sees it
+        (``failure``) and stops everything; `epd status` shows it; `epd down` removes what is left."""
+        self.failed = reason
+        self._stop.set()
+        log.error("deployment stopped: %s", reason)
 
     def _find_unplaced(self) -> None:
         """While replicas are not serving, ask Ray's GCS what it cannot place (a lost machine was
@@ -438,7 +482,9 @@ class Controller:
                 return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
         try:
             ray.get(handle.ping.remote(), timeout=self.config.probe_timeout_s)
-        except ray.exceptions.ActorDiedError:
+        except ray.exceptions.ActorDiedError as error:
+            if getattr(error, "actor_init_failed", False):
+                self._init_failed[name] = _last_line(getattr(error, "error_msg", "") or str(error))
             return Probe.DEAD
         except Exception:  # noqa: BLE001 - restarting, still loading, or wedged
             return Probe.UNREACHABLE
@@ -490,6 +536,12 @@ class Controller:
 
     def _host_for_metrics(self) -> str:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a Ray task error's text (its traceback comes before it)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
 
 
 def _state(replica) -> str:

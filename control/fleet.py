@@ -18,6 +18,11 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 
+class DeploymentFailed(RuntimeError):
+    """The deployment stopped itself (a role cannot start); the message says why. Here, not in
+    ``control.controller``, so a command can name it before ray is imported."""
+
+
 class Probe(enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not_serving"  # up, but cannot serve now (e.g. nothing behind it): not taking work
@@ -120,6 +125,37 @@ class Fleet:
     def _event(self, now: float, replica: Replica, kind: str, seconds: float = 0.0, detail: str = "") -> None:
         self.events.append(Event(time.time(), replica.role, replica.name, kind, round(seconds, 3), detail))
         self.counts[(replica.role, kind)] += 1
+
+
+class StartFailures:
+    """Replicas whose constructor raised, per role, in a row (plain Python; the controller acts).
+
+    Ray does not restart an actor whose constructor raised, and a new one fails the same way when
+    the cause is in the checkpoint or the configuration. After ``limit`` in a row, none of the
+    role's replicas joining in between: with none of the role serving the deployment cannot serve,
+    so it stops (``"stop"``); with some serving, those go on and no more are started (``"hold"``)
+    until `epd scale` asks again (``reset``). Before the limit: ``"replace"``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row: Counter[str] = Counter()
+        self.holding: dict[str, str] = {}  # role -> why no more of its replicas are started
+
+    def failed(self, role: str, reason: str, serving: int) -> tuple[str, str]:
+        """One more replica of ``role`` failed to start; what to do, and why (for the log and status)."""
+        self.in_a_row[role] += 1
+        if self.in_a_row[role] < self.limit:
+            return "replace", ""
+        why = f"{role} replicas failed to start {self.in_a_row[role]} times in a row, last: {reason}"
+        if not serving:
+            return "stop", why
+        self.holding[role] = why
+        return "hold", why
+
+    def reset(self, role: str) -> None:
+        """A replica of ``role`` joined, or `epd scale` asks for the role again."""
+        self.in_a_row[role] = 0
+        self.holding.pop(role, None)
 
 
 def unplaced(pending: list[tuple[dict[str, float], int]], shapes: dict[str, dict[str, float]],

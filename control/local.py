@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 REDIS_KEEPER_NAME = "redis"
 
 
+class StartError(RuntimeError):
+    """The stack cannot start for a reason the operator can fix (an unreachable Redis); one line."""
+
+
 class LocalStack:
     def __init__(self, config: DeployConfig) -> None:
         if not config.serve.security.internal_token:  # internal services only answer the deployment's own calls
@@ -104,7 +108,7 @@ class LocalStack:
         try:
             store.ping()
         except Exception as error:
-            raise RuntimeError(f"cannot reach Redis at {redact_url(self.redis_url)}: {error}") from None
+            raise StartError(f"cannot reach Redis at {redact_url(self.redis_url)}: {error}") from None
         finally:
             store.close()
 
@@ -183,6 +187,27 @@ def _mute_worker_output_at_exit() -> None:
         pass
 
 
-def wait_forever() -> None:
+class StoppedElsewhere(Exception):
+    """Another command (`epd down`) stopped the deployment `epd serve` runs."""
+
+
+def wait_forever(stack: LocalStack | None = None, every_s: float = 2.0) -> None:
+    """Until interrupted, or (with ``stack``) until its deployment stops itself (raises
+    ``DeploymentFailed`` saying why) or its controller is gone for good (``StoppedElsewhere``)."""
     while True:
-        time.sleep(3600)
+        time.sleep(every_s if stack is not None else 3600)
+        if stack is None or stack.controller is None:
+            continue
+        import ray
+
+        from control.fleet import DeploymentFailed
+
+        try:
+            failed = ray.get(stack.controller.failure.remote(), timeout=60)
+        except ray.exceptions.ActorDiedError:
+            stack.controller = None  # gone for good: `epd down` stopped every role; stop the rest
+            raise StoppedElsewhere("the deployment was stopped (`epd down`)") from None
+        except Exception:  # noqa: BLE001 - restarting or busy: look again next time
+            continue
+        if failed:
+            raise DeploymentFailed(failed)

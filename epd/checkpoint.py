@@ -36,6 +36,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5VisionRotaryEmbedding,
 )
 
+from epd.model_check import check_model_type
 from epd.tokenizer_build import build_tokenizer, special_token_ids
 
 SINGLE_FILE = "model.safetensors"
@@ -335,12 +336,7 @@ def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True
 
 def read_config(model_dir) -> Qwen3_5Config:
     """The Qwen3.5 config in ``model_dir``; ValueError if missing or another model type."""
-    path = pathlib.Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no config.json in {model_dir}")
-    raw = json.loads(path.read_text())
-    if raw.get("model_type") != "qwen3_5":
-        raise ValueError(f"{path}: model_type is {raw.get('model_type')!r}, expected 'qwen3_5'")
+    check_model_type(model_dir)  # the check `epd serve` makes before Ray starts, too
     return Qwen3_5Config.from_pretrained(model_dir)
 
 

@@ -476,6 +476,10 @@ class DeployConfig:
     """A probe without an answer within this many seconds marks the replica unhealthy."""
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
+    max_start_failures: int = 3
+    """A role whose new replicas' constructors fail this many times in a row (none joining in
+    between: a wrong checkpoint, a missing file) is not replaced forever: with none of it serving
+    the deployment stops with the error, else no more of it are started until `epd scale`."""
 
     def __post_init__(self) -> None:
         for name in ("num_encoders", "num_encode_services", "num_prefill", "num_decode", "num_routers"):
@@ -492,6 +496,7 @@ class DeployConfig:
         _check_range(self.probe_interval_s, 0.1, 60, "probe_interval_s")
         _check_range(self.probe_timeout_s, 0.1, 60, "probe_timeout_s")
         _check_range(self.start_timeout_s, 1, 86400, "start_timeout_s")
+        _check_range(self.max_start_failures, 1, 1000, "max_start_failures")
         if self.bind == "node":
             _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,
                    "store.redis_url", "a deployment bound to node addresses needs a TCP Redis every node can reach "

@@ -397,15 +397,78 @@ class RoleServer:
 # Module functions, not methods: Ray would take a class with an ``async def`` for an async actor.
 
 
+REFLECTION_PREFIX = "grpc.reflection."
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """gRPC server reflection as both ``grpc.reflection.v1`` (what grpcurl and current clients
+    ask first) and ``v1alpha`` (older ones), each listing every service the port serves: the
+    given ones, ``grpc.health.v1.Health`` and the two reflection services.
+
+    grpcio-reflection serves v1alpha only; v1 is the same protocol under another package (the
+    messages are identical field for field), so one servicer answers both, and v1's file
+    descriptor is added to the pool so that describing it works too. A service entry named
+    ``grpc.reflection.*`` among a RoleServer's services asks for this (``_start_server``)."""
+    from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+    _add_reflection_v1_descriptor(reflection_pb2)
+    names = list(dict.fromkeys([*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                REFLECTION_V1, REFLECTION_V1ALPHA]))
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)})
+    server.add_generic_rpc_handlers((v1,))
+
+
+def _add_reflection_v1_descriptor(reflection_pb2) -> None:
+    """grpc/reflection/v1/reflection.proto in the default pool: v1alpha's file renamed."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto.FromString(reflection_pb2.DESCRIPTOR.serialized_pb)
+    old, new = f".{proto.package}.", ".grpc.reflection.v1."
+    proto.name, proto.package = name, "grpc.reflection.v1"
+
+    def rename(messages) -> None:
+        for message in messages:
+            for field in message.field:
+                if field.type_name.startswith(old):
+                    field.type_name = new + field.type_name[len(old):]
+            rename(message.nested_type)
+
+    rename(proto.message_type)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = new + method.input_type[len(old):]
+            method.output_type = new + method.output_type[len(old):]
+    proto.options.Clear()
+    pool.AddSerializedFile(proto.SerializeToString())
+
+
 async def _start_server(services: list[Service], host: str, port: int, interceptors: list,
                         credentials: grpc.ServerCredentials | None, max_receive_bytes: int):
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", max_receive_bytes), *KEEPALIVE_OPTIONS]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    for add, servicer, _ in services:
-        add(servicer, server)
+    served = [name for _, _, name in services if not name.startswith(REFLECTION_PREFIX)]
+    for add, servicer, name in services:
+        if not name.startswith(REFLECTION_PREFIX):  # a reflection entry asks for enable_reflection below
+            add(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if len(served) < len(services):
+        enable_reflection(server, served)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:

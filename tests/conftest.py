@@ -64,9 +64,9 @@ class ServeProcess:
                 return line[len(READY_PREFIX):].strip()
             if not line and self.proc.poll() is not None:
                 break
-        self.stop()
-        self.log.seek(0)
-        raise RuntimeError(f"epd serve did not become ready:\n{self.log.read()[-4000:]}")
+        self.stop()  # closes self.log
+        with open(self.log.name) as log:
+            raise RuntimeError(f"epd serve did not become ready:\n{log.read()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM) -> list[psutil.Process]:
         """Send ``sig``, wait, and return whatever is still alive (should be nothing): every

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -74,33 +73,38 @@ def test_a_failed_call_prints_the_status_name_and_message():
 
 
 def test_ctrl_c_on_generate_exits_quietly_with_130():
-    """A router that accepts the connection and never answers: the command is inside its call
-    when Ctrl-C arrives."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        accepted = threading.Event()
-        held = []
+    """A router that takes the call and holds it: SIGINT is sent once the call is known to be in
+    flight at the server (a real gRPC server speaking HTTP/2, so the client never gives up on
+    its own first, as it did against a bare TCP listener under load: "ping timeout")."""
+    from concurrent import futures
 
-        def accept():
-            connection, _ = listener.accept()
-            held.append(connection)
-            accepted.set()
+    import grpc
 
-        threading.Thread(target=accept, daemon=True).start()
-        proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr",
-                                 f"127.0.0.1:{listener.getsockname()[1]}", "--prompt", "hi"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert accepted.wait(60), "epd generate never connected"
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            for connection in held:
-                connection.close()
+    in_flight, release = threading.Event(), threading.Event()
+
+    def generate(request, context):
+        in_flight.set()
+        while context.is_active() and not release.wait(0.05):
+            pass
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "epd.v1.Router", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr", f"127.0.0.1:{port}",
+                             "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert in_flight.wait(120), "epd generate's call never reached the server"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        release.set()
+        server.stop(0).wait(10)
     assert proc.returncode == 130, (proc.returncode, stderr)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.strip() == "", stderr
@@ -116,6 +120,29 @@ def test_model_create_refuses_a_non_empty_out_and_overwrite_replaces_it(tmp_path
     out = epd("model", "create", "--preset", "tiny", "--out", str(out_dir), "--overwrite", timeout=300)
     assert out.returncode == 0, out.stderr
     assert (out_dir / "config.json").is_file()
+
+
+def test_model_create_refuses_an_existing_out_before_importing_torch(tmp_path):
+    """The refusal takes a fraction of a second: it comes before torch and transformers are imported."""
+    (tmp_path / "notes.txt").write_text("mine")
+    check = ("import sys\nfrom control import cli\ntry:\n    cli.main(['model', 'create', '--preset', 'tiny', "
+             f"'--out', {str(tmp_path)!r}])\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules, code)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False", "2"], (out.stdout, out.stderr)
+    assert "exists and is not empty; pass --overwrite" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["scale", "status", "down"])
+def test_every_argument_of_the_deployment_commands_has_help(command):
+    out = epd(command, "--help", timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "--namespace NAMESPACE Ray namespace of the deployment" in text, text
+    assert "--connect-timeout S seconds to reach the deployment before giving up (default: 10.0)" in text, text
+    if command == "scale":
+        assert "count replicas the role should have, in [1, 256]" in text, text
+        assert "the role to scale" in text, text
 
 
 def test_serve_refuses_a_busy_port_before_starting_ray(tiny_model_dir):
@@ -152,3 +179,12 @@ def test_serve_without_a_checkpoint_is_one_line(tmp_path):
 def test_no_command_prints_help_and_fails():
     out = epd(timeout=60)
     assert out.returncode == 2 and "usage: epd" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_serve_with_an_unreachable_redis_stops_in_one_line(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    out = epd("serve", "--model", tiny_model_dir, "--redis", f"redis://127.0.0.1:{closed}/0", timeout=180)
+    assert_one_line_error(out, "epd serve: stopped: ", f"cannot reach Redis at redis://127.0.0.1:{closed}/0",
+                          code=1)
