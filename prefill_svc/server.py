@@ -36,6 +36,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
         sampling = sampling_from_proto(request.sampling)
+        size = self.engine.prompt_bytes(len(request.token_ids))
+        self.engine.held.take(size)  # RESOURCE_EXHAUSTED past prefill.max_held_mb, before any work
+        try:
+            return await self._prefill(request, sampling, context)
+        finally:
+            self.engine.held.give_back(size)
+
+    async def _prefill(self, request: epd_pb2.PrefillRequest, sampling, context) -> epd_pb2.PrefillResponse:
         result = await self.engine.run_async(request, sampling)
         reply = epd_pb2.PrefillResponse(
             first_token=result.first_token,
