@@ -114,7 +114,8 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--media-max-mb", "serve.http.media_max_mb"),
     _flag("--media-max-redirects", "serve.http.media_max_redirects"),
 )
-SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK, *SECURITY, *HTTP)
+SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
+         _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),

@@ -490,6 +490,10 @@ class DeployConfig:
     """Seconds between two health probes of every replica by the controller."""
     probe_timeout_s: float = 2.0
     """A probe without an answer within this many seconds marks the replica unhealthy."""
+    local_gpus: int = -1
+    """`epd serve` only: GPUs the local Ray node offers (-1: what Ray detects). When it has some and
+    no role asks for GPUs, each model replica (encoder, prefill, decode) is given a GPU of its own,
+    or an equal share when there are fewer GPUs than model replicas (``share_gpus``)."""
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
     max_start_failures: int = 3
@@ -512,6 +516,7 @@ class DeployConfig:
         _check_range(self.probe_interval_s, 0.1, 60, "probe_interval_s")
         _check_range(self.probe_timeout_s, 0.1, 60, "probe_timeout_s")
         _check_range(self.start_timeout_s, 1, 86400, "start_timeout_s")
+        _check_range(self.local_gpus, -1, 1024, "local_gpus")
         _check_range(self.max_start_failures, 1, 1000, "max_start_failures")
         if self.bind == "node":
             _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,
@@ -526,6 +531,24 @@ class DeployConfig:
     def replicas(self, role: str) -> int:
         return {"encoder": self.num_encoders, "encode": self.num_encode_services, "prefill": self.num_prefill,
                 "decode": self.num_decode, "router": self.num_routers}[role]
+
+
+MODEL_ROLES = ("encoder", "prefill", "decode")
+
+
+def share_gpus(deploy: DeployConfig, gpus: float) -> DeployConfig:
+    """``deploy`` with the model roles asking Ray for GPUs when the node has ``gpus`` and no role
+    asks for any: a whole GPU per model replica when there are enough, else ``1 / k`` of one, ``k``
+    replicas to a GPU (Ray then places them and sets each one's CUDA_VISIBLE_DEVICES, so no two
+    replicas share a device they were not told to share)."""
+    if gpus <= 0 or any(deploy.role_resources(role).num_gpus for role in ROLES):
+        return deploy
+    replicas = sum(deploy.replicas(role) for role in MODEL_ROLES)
+    share = 1.0 if gpus >= replicas else 1.0 / -(-replicas // int(gpus))
+    resources = dict(deploy.resources)
+    for role in MODEL_ROLES:
+        resources[role] = dataclasses.replace(deploy.role_resources(role), num_gpus=share)
+    return dataclasses.replace(deploy, resources=resources)
 
 
 def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConfig]:

@@ -371,6 +371,12 @@ class RoleServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def device_info(self) -> dict:
+        """The device this role computes on and the GPUs Ray gave it."""
+        from epd.tensors import device_info
+
+        return device_info()
+
     def in_flight(self) -> int:
         """Calls this server is still running: a replica being drained exits at zero."""
         return self._in_flight.count
