@@ -1,4 +1,5 @@
-"""The correctness oracle: transformers' own Qwen3_5ForConditionalGeneration.generate.
+"""The correctness oracle: transformers' own Qwen3_5ForConditionalGeneration.generate (or
+Qwen3_5MoeForConditionalGeneration's for a mixture-of-experts checkpoint: ``epd.family``).
 
 Inputs are built the way Qwen3VLProcessor builds them (chat template, each <|image_pad|> expanded
 to the image's token count, Qwen2VLImageProcessorPil pixels of the image turned upright by its EXIF
@@ -15,10 +16,12 @@ import io
 
 import torch
 from PIL import Image, ImageOps
-from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as transformers_logging
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from epd.family import family_of, model_kwargs
 
 # A chat message: {"role": ..., "content": str | [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
 ChatMessage = dict
@@ -26,7 +29,9 @@ ChatMessage = dict
 
 class Oracle:
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
-        self.model = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        family = family_of(model_dir)
+        self.model = family.conditional_generation.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), **model_kwargs(family)).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.image_token_id = self.model.config.image_token_id

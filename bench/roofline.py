@@ -51,14 +51,14 @@ class ModelCost:
 
     @classmethod
     def of(cls, model_dir: str, dtype: torch.dtype) -> ModelCost:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5VisionModel
-
         from epd.checkpoint import count_parameters, read_config
+        from epd.family import family_of
 
+        family = family_of(model_dir)
         config = read_config(model_dir)
         with torch.device("meta"):
-            vision = Qwen3_5VisionModel(config.vision_config)
-            text = Qwen3_5TextModel(config.text_config)
+            vision = family.vision_model(config.vision_config)
+            text = family.text_model(config.text_config)
         text_config = config.text_config
         embedding = text_config.vocab_size * text_config.hidden_size
         lm_params = count_parameters(text) - embedding

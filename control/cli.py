@@ -20,7 +20,7 @@ from control import flags
 
 # epd.checkpoint.PRESETS' names, kept here so that argparse needs no torch import
 # (tests/test_checkpoint.py checks the two agree).
-PRESET_NAMES = ("tiny", "tiny-32k", "qwen3.5-0.8b")
+PRESET_NAMES = ("tiny", "tiny-32k", "tiny-moe", "qwen3.5-0.8b")
 
 
 def main(argv: list[str] | None = None) -> int:

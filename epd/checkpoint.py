@@ -1,13 +1,15 @@
-"""Qwen3.5 checkpoints: named presets, random-weight creation, and loading.
+"""Qwen3.5 checkpoints, dense and mixture-of-experts: named presets, random-weight creation, and loading.
 
 This module owns the on-disk model format used by every stage:
 
 * ``PRESETS`` / ``config_from_name``: Qwen3.5 configs in the real architecture
-  (``tiny`` for tests/demos, ``qwen3.5-0.8b`` with the published shape), whose
-  token ids come from :mod:`epd.tokenizer_build`.
+  (``tiny`` for tests/demos, ``qwen3.5-0.8b`` with the published shape, ``tiny-moe``:
+  ``tiny``'s dims with a sparse mixture-of-experts MLP), whose token ids come from
+  :mod:`epd.tokenizer_build`.
 * ``create_checkpoint``: a Hugging Face checkpoint with transformers' own random
-  init, written by our own safetensors writer, loadable by
-  ``Qwen3_5ForConditionalGeneration.from_pretrained`` (the correctness oracle).
+  init, written by our own safetensors writer, loadable by the family's
+  ``...ForConditionalGeneration.from_pretrained`` (the correctness oracle).
+  Which transformers classes a ``model_type`` uses is :mod:`epd.family`'s table.
 * ``read_config`` / ``load_tensors`` / ``build_vision_model`` /
   ``build_text_model``: the loading path shared by our presets and real
   downloaded Qwen3.5 checkpoints (extra tensors such as ``mtp.*`` are ignored).
@@ -28,15 +30,9 @@ from collections.abc import Callable
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-from transformers.models.qwen3_5.modeling_qwen3_5 import (
-    Qwen3_5TextModel,
-    Qwen3_5TextRotaryEmbedding,
-    Qwen3_5VisionModel,
-    Qwen3_5VisionRotaryEmbedding,
-)
+from transformers import PreTrainedConfig, PreTrainedModel
 
-from epd.model_check import check_model_type
+from epd.family import EXPERTS_IMPLEMENTATION, FAMILIES, Family, family_of, family_of_config
 from epd.tokenizer_build import build_tokenizer, special_token_ids
 
 SINGLE_FILE = "model.safetensors"
@@ -95,7 +91,8 @@ def _token_config(ids: dict[str, int]) -> dict:
     }
 
 
-def _make_config(text: dict, vision: dict, initializer_range: float) -> Qwen3_5Config:
+def _make_config(text: dict, vision: dict, initializer_range: float, family: Family = FAMILIES["qwen3_5"]
+                 ) -> PreTrainedConfig:
     tokenizer = build_tokenizer()
     ids = special_token_ids(tokenizer)
     text = dict(text)
@@ -114,8 +111,8 @@ def _make_config(text: dict, vision: dict, initializer_range: float) -> Qwen3_5C
         linear_conv_kernel_dim=4,
     )
     vision = dict(vision, initializer_range=initializer_range, hidden_act="gelu_pytorch_tanh", in_channels=3)
-    return Qwen3_5Config(
-        architectures=["Qwen3_5ForConditionalGeneration"],  # as published checkpoints say (vLLM reads it)
+    return family.config(
+        architectures=[family.architecture],  # as published checkpoints say (vLLM reads it)
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=True,
@@ -124,8 +121,8 @@ def _make_config(text: dict, vision: dict, initializer_range: float) -> Qwen3_5C
     )
 
 
-def _tiny() -> Qwen3_5Config:
-    text = dict(
+def _tiny_text() -> dict:
+    return dict(
         hidden_size=64,
         num_hidden_layers=4,
         num_attention_heads=4,
@@ -146,7 +143,10 @@ def _tiny() -> Qwen3_5Config:
             "mrope_interleaved": True,
         },
     )
-    vision = dict(
+
+
+def _tiny_vision() -> dict:
+    return dict(
         depth=2,
         hidden_size=64,
         intermediate_size=128,
@@ -157,18 +157,31 @@ def _tiny() -> Qwen3_5Config:
         temporal_patch_size=2,
         num_position_embeddings=2304,
     )
+
+
+def _tiny() -> PreTrainedConfig:
     # Wider init than 0.02 so random greedy decoding has decisive logits.
-    return _make_config(text, vision, initializer_range=0.1)
+    return _make_config(_tiny_text(), _tiny_vision(), initializer_range=0.1)
 
 
-def _tiny_32k() -> Qwen3_5Config:
+def _tiny_moe() -> PreTrainedConfig:
+    """``tiny``'s dims with Qwen3.5-MoE's sparse MLP in every layer: 8 experts of width 32, the top
+    2 per token (softmax router renormalised over the top k), a shared expert of width 64 behind a
+    sigmoid gate; the router, experts and shared expert as transformers builds and initialises them."""
+    text = _tiny_text()
+    del text["intermediate_size"]  # the MoE config has no dense MLP width
+    text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    return _make_config(text, _tiny_vision(), initializer_range=0.1, family=FAMILIES["qwen3_5_moe"])
+
+
+def _tiny_32k() -> PreTrainedConfig:
     """``tiny``'s layers with a 32,768-token window: long requests in tests of the memory model."""
     config = _tiny()
     config.text_config.max_position_embeddings = 32768
     return config
 
 
-def _qwen35_0_8b() -> Qwen3_5Config:
+def _qwen35_0_8b() -> PreTrainedConfig:
     text = dict(
         hidden_size=1024,
         num_hidden_layers=24,
@@ -204,14 +217,15 @@ def _qwen35_0_8b() -> Qwen3_5Config:
     return _make_config(text, vision, initializer_range=0.02)
 
 
-PRESETS: dict[str, Callable[[], Qwen3_5Config]] = {
+PRESETS: dict[str, Callable[[], PreTrainedConfig]] = {
     "tiny": _tiny,
     "tiny-32k": _tiny_32k,
+    "tiny-moe": _tiny_moe,
     "qwen3.5-0.8b": _qwen35_0_8b,
 }
 
 
-def config_from_name(name: str) -> Qwen3_5Config:
+def config_from_name(name: str) -> PreTrainedConfig:
     """A fresh config for preset ``name`` (configs are mutable, so never shared)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -282,7 +296,7 @@ def save_weights(state: dict[str, torch.Tensor], out_dir, progress: bool = True,
     return names
 
 
-def _generation_config(config: Qwen3_5Config) -> dict:
+def _generation_config(config: PreTrainedConfig) -> dict:
     text = config.text_config
     return {
         "eos_token_id": [text.eos_token_id, text.pad_token_id],  # [<|im_end|>, <|endoftext|>]
@@ -294,7 +308,7 @@ def _generation_config(config: Qwen3_5Config) -> dict:
 def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progress: bool) -> None:
     config = config_from_name(preset)
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    model = family_of_config(config).conditional_generation(config).float().eval()
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop(LM_HEAD, None)  # tied: the embedding is the head
@@ -334,10 +348,10 @@ def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True
 # --------------------------------------------------------------------------- reading
 
 
-def read_config(model_dir) -> Qwen3_5Config:
-    """The Qwen3.5 config in ``model_dir``; ValueError if missing or another model type."""
-    check_model_type(model_dir)  # the check `epd serve` makes before Ray starts, too
-    return Qwen3_5Config.from_pretrained(model_dir)
+def read_config(model_dir) -> PreTrainedConfig:
+    """The Qwen3.5 (dense or MoE) config in ``model_dir``; ValueError if missing or another model type."""
+    # family_of makes the check `epd serve` makes before Ray starts, too
+    return family_of(model_dir).config.from_pretrained(model_dir)
 
 
 def _weight_files(model_dir: pathlib.Path) -> dict[str, list[str] | None]:
@@ -401,33 +415,38 @@ def _check_materialized(model: torch.nn.Module, what: str) -> None:
         raise RuntimeError(f"{what}: tensors still on the meta device after loading: {left[:5]}")
 
 
-def build_vision_model(model_dir, dtype=torch.float32, device="cpu") -> Qwen3_5VisionModel:
-    """The vision tower from ``model.visual.*`` tensors only, in eval mode."""
-    config = read_config(model_dir).vision_config
+def build_vision_model(model_dir, dtype=torch.float32, device="cpu") -> PreTrainedModel:
+    """The vision tower (the family's vision model) from ``model.visual.*`` tensors only, in eval mode."""
+    family = family_of(model_dir)
+    config = family.config.from_pretrained(model_dir).vision_config
     with torch.device("meta"):
-        model = Qwen3_5VisionModel(config)
+        model = family.vision_model(config)
     _assign_weights(model, load_tensors(model_dir, VISION_PREFIX), dtype, device)
     # inv_freq is a non-persistent buffer (not in the file): meta-init left it
     # empty, so rebuild the parameter-free rotary module for real.
     with torch.device(device):
-        model.rotary_pos_emb = Qwen3_5VisionRotaryEmbedding(config)
+        model.rotary_pos_emb = family.vision_rotary(config)
     _check_materialized(model, "vision model")
     return model.eval()
 
 
-def build_text_model(model_dir, dtype=torch.float32, device="cpu") -> tuple[Qwen3_5TextModel, torch.Tensor]:
-    """The language model from ``model.language_model.*`` plus the LM head weight.
+def build_text_model(model_dir, dtype=torch.float32, device="cpu") -> tuple[PreTrainedModel, torch.Tensor]:
+    """The language model (the family's text model) from ``model.language_model.*`` plus the LM
+    head weight. A MoE model runs its experts with ``epd.family.EXPERTS_IMPLEMENTATION``.
 
     The head is ``lm_head.weight`` when the checkpoint has one, else (tied
     embeddings) the very same tensor as ``embed_tokens.weight``.
     """
     model_dir = pathlib.Path(model_dir)
-    config = read_config(model_dir).text_config
+    family = family_of(model_dir)
+    config = family.config.from_pretrained(model_dir).text_config
+    if family.moe:
+        config._experts_implementation = EXPERTS_IMPLEMENTATION  # checked by transformers at construction
     with torch.device("meta"):
-        model = Qwen3_5TextModel(config)
+        model = family.text_model(config)
     _assign_weights(model, load_tensors(model_dir, TEXT_PREFIX, progress=True), dtype, device)
     with torch.device(device):
-        model.rotary_emb = Qwen3_5TextRotaryEmbedding(config)  # see build_vision_model
+        model.rotary_emb = family.text_rotary(config)  # see build_vision_model
     _check_materialized(model, "text model")
     head = load_tensors(model_dir, LM_HEAD).get("")
     if head is not None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 
-SUPPORTED_MODEL_TYPE = "qwen3_5"
-SUPPORTED = "Qwen3.5 vision-language checkpoints only (Qwen3_5ForConditionalGeneration)"
+# The model types epd serves; epd.family has one entry per type here (tests/test_moe.py checks it).
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+SUPPORTED = ("Qwen3.5 vision-language checkpoints only, dense or mixture-of-experts "
+             "(Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)")
 
 
 class UnsupportedCheckpoint(ValueError):
-    """The directory is not a Qwen3.5 checkpoint; the message says what it holds and what is supported."""
+    """The directory is not a Qwen3.5 (dense or MoE) checkpoint; the message says what it holds and what is supported."""
 
 
 def check_model_type(model_dir) -> dict:
@@ -33,9 +35,9 @@ def check_model_type(model_dir) -> dict:
     if not isinstance(raw, dict):
         raise UnsupportedCheckpoint(f"{path} is not a JSON object")
     model_type = raw.get("model_type")
-    if model_type != SUPPORTED_MODEL_TYPE:
+    if model_type not in SUPPORTED_MODEL_TYPES:
         architectures = raw.get("architectures") or []
         what = f" ({', '.join(map(str, architectures))})" if isinstance(architectures, list) and architectures else ""
         raise UnsupportedCheckpoint(f"{path}: model_type is {model_type!r}{what}, expected "
-                                    f"{SUPPORTED_MODEL_TYPE!r}: epd serves {SUPPORTED}")
+                                    f"{' or '.join(map(repr, SUPPORTED_MODEL_TYPES))}: epd serves {SUPPORTED}")
     return raw

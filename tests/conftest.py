@@ -39,6 +39,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(create_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, progress=False))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory) -> str:
+    """The mixture-of-experts preset (``tiny``'s dims, 8 experts, top 2, a shared expert)."""
+    from epd.checkpoint import create_checkpoint
+
+    return str(create_checkpoint("tiny-moe", tmp_path_factory.mktemp("ckpt") / "tiny-moe", seed=0, progress=False))
+
+
 class ServeProcess:
     """`epd serve` in its own session; remembers every descendant so teardown can prove cleanup."""
 
@@ -190,3 +198,11 @@ def oracle(tiny_model_dir):
     from bench.oracle import Oracle
 
     return Oracle(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_oracle(tiny_moe_model_dir):
+    """transformers' Qwen3_5MoeForConditionalGeneration on the tiny-moe checkpoint."""
+    from bench.oracle import Oracle
+
+    return Oracle(tiny_moe_model_dir)
