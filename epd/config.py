@@ -361,7 +361,7 @@ class SecurityConfig:
 @dataclass(frozen=True)
 class ServeConfig:
     model_dir: str
-    """Hugging Face Qwen3.5 checkpoint directory (config.json with model_type qwen3_5)."""
+    """Hugging Face Qwen3.5 checkpoint directory (config.json with model_type qwen3_5 or qwen3_5_moe)."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     encode: EncodeConfig = field(default_factory=EncodeConfig)

@@ -12,6 +12,10 @@ over the weights (projections, MLP and LM head run once for the whole batch) ove
 ``BatchBuffers``: what decode keeps (``decode_svc.batch.DecodeBatch``): paged K/V per full-attention
 layer read through each request's block table, conv and recurrent states stacked per linear layer.
 
+The same runner serves the mixture-of-experts family (``qwen3_5_moe``): its decoder layers have the
+same attention modules, and ``layer.mlp`` is transformers' sparse MoE block (router, experts run
+grouped by expert, gated shared expert), called on every token of a forward or a decode step at once.
+
 The runner does not decide anything (which request runs, when state is freed): it only computes.
 """
 
