@@ -28,7 +28,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, TokenLogprobs, sample
+from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs, history_for, sample, stops_on
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
@@ -137,7 +137,8 @@ class PrefillEngine:
     def _result(self, job: PrefillJob, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
         """Sample the next token; for a resumed request it is token number ``num_generated``."""
         step = request.num_generated
-        token, logprobs = sample(job.logits, sampling, step=step)
+        token, logprobs = sample(job.logits, sampling, step=step, history=request_history(request, sampling),
+                                 eos_token_ids=self.info.eos_token_ids)
         return PrefillResult(
             first_token=token,
             logprobs=logprobs,
@@ -245,6 +246,8 @@ class PrefillEngine:
         """Why the request ends with ``token`` (the answer's token number ``num_generated``), if it does."""
         if token in self.info.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.EOS
+        if stops_on(sampling, token):
+            return FinishReason.STOP
         if num_generated + 1 >= sampling.max_tokens:
             return FinishReason.LENGTH
         return None
@@ -363,6 +366,13 @@ class PrefillEngine:
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
                     "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]
+
+
+def request_history(request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> TokenHistory | None:
+    """What the penalties read for the token prefill samples: the prompt, and the answer so far
+    (the last ``num_generated`` token ids of a resumed request)."""
+    prompt_len = len(request.token_ids) - request.num_generated
+    return history_for(sampling, request.token_ids[:prompt_len], request.token_ids[prompt_len:])
 
 
 def _last_index(token_ids: list[int], token: int | None) -> int | None:

@@ -31,7 +31,7 @@ from epd import discovery, errors, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig
+from epd.sampling import MAX_TOKEN_LIST, SamplingConfig, check_vocab
 from epd.store import EmbeddingStore, StoreUnavailable
 from epd.v1 import epd_pb2
 from epd.wire import sampling_to_proto
@@ -127,8 +127,8 @@ class RouterCore:
         run.unclaimed_decode = reply.decode_addr
         ttft = time.perf_counter() - start
 
-        text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
-        yield _chunk([reply.first_token], text.add([reply.first_token]),
+        text = TextStream(self.builder.tokenizer, list(request.sampling.stop), min_tokens=sampling.min_tokens)
+        yield _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
                      [reply.first_logprobs] if sampling.logprobs else [])
         finish = reply.finish_reason if reply.finished else ""
         if text.stopped and not finish:
@@ -175,7 +175,10 @@ class RouterCore:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
         temperature = params.temperature if params.HasField("temperature") else 0.0
         seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
-        return SamplingConfig(
+        if len(params.logit_bias) > MAX_TOKEN_LIST or len(params.stop_token_ids) > MAX_TOKEN_LIST:
+            # before the lists are copied and sorted
+            raise ValueError(f"stop_token_ids and logit_bias may list at most {MAX_TOKEN_LIST} tokens each")
+        config = SamplingConfig(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=params.top_p if params.HasField("top_p") else 1.0,
@@ -183,7 +186,17 @@ class RouterCore:
             seed=seed,
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs,
+            stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids)),
+            min_tokens=params.min_tokens,
+            logit_bias=tuple(sorted(params.logit_bias.items())),
+            min_p=params.min_p if params.HasField("min_p") else 0.0,
+            presence_penalty=params.presence_penalty if params.HasField("presence_penalty") else 0.0,
+            frequency_penalty=params.frequency_penalty if params.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
         )
+        if self.builder.info.vocab_size:
+            check_vocab(config, self.builder.info.vocab_size)
+        return config
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len >= self.max_model_len:
@@ -328,7 +341,7 @@ class RouterCore:
             try:
                 preempted = False
                 async for batch in call:
-                    delta = text.add(batch.token_ids)
+                    delta = text.add(batch.token_ids, ends=batch.finish_reason == FinishReason.STOP.value)
                     kept = text.consumed  # all of the batch, or up to the token that completed a stop string
                     yield _chunk(batch.token_ids[:kept], delta, batch.logprobs[:kept] if run.sampling.logprobs else [])
                     if text.stopped:
@@ -355,7 +368,7 @@ class RouterCore:
             finally:
                 call.cancel()  # a stop string or a departed client frees the decode slot now
             # The resumed step sampled the next token in prefill; decode goes on from there.
-            yield _chunk([reply.first_token], text.add([reply.first_token]),
+            yield _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
                          [reply.first_logprobs] if run.sampling.logprobs else [])
             if reply.finished:
                 yield reply.finish_reason
@@ -476,6 +489,12 @@ class _Run:
 def _stage_timings(reply: epd_pb2.PrefillResponse) -> epd_pb2.StageTimings:
     return epd_pb2.StageTimings(store_read_s=reply.store_read_s, prefill_s=reply.prefill_s,
                                 handoff_s=reply.handoff_s, handoff_bytes=reply.handoff_bytes, queue_s=reply.queue_s)
+
+
+def _stop_token(reply: epd_pb2.PrefillResponse) -> bool:
+    """Prefill's token ended the request as one of its ``stop_token_ids`` (prefill and decode say
+    "stop" for nothing else: stop strings are the router's)."""
+    return reply.finished and reply.finish_reason == FinishReason.STOP.value
 
 
 def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:

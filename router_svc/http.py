@@ -50,7 +50,8 @@ MAX_LOGPROBS = 20
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
-    "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
+    "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_p", "min_tokens", "logit_bias", "stop_token_ids",
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -60,8 +61,6 @@ try:
     VERSION = importlib.metadata.version("epd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "unknown"
-# Accepted only at the value that means "off" (some clients always send them).
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -384,10 +383,6 @@ class HttpFront:
         if unsupported:
             raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
                             code="unsupported_parameter")
-        for name, neutral in NEUTRAL.items():
-            if name in body and (_number(body, name) != neutral):
-                raise HttpError(400, f"{name} is not supported by this server (only {neutral})", param=name,
-                                code="unsupported_parameter")
         if "model" in body and body["model"] != self.model_name:
             if not isinstance(body["model"], str):
                 raise HttpError(400, "model must be a string", param="model")
@@ -430,6 +425,7 @@ class HttpFront:
                 raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
             sampling.stop.extend(stops)
         sampling.ignore_eos = _bool(body, "ignore_eos")
+        _logits_processing(body, sampling)
         if logprobs:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
 
@@ -500,6 +496,34 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+
+def _logits_processing(body: dict, sampling: epd_pb2.SamplingParams) -> None:
+    """vLLM's logits-processing fields into ``sampling``: the JSON shapes are checked here, the
+    ranges by the request path (``RouterCore``; the same INVALID_ARGUMENT message as gRPC's)."""
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if name in body:
+            setattr(sampling, name, _number(body, name))
+    if "min_tokens" in body:
+        sampling.min_tokens = _integer(body, "min_tokens", 0, 2**31 - 1)
+    if "stop_token_ids" in body:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                for t in ids):
+            raise HttpError(400, "stop_token_ids must be a list of token ids (integers >= 0)", param="stop_token_ids")
+        sampling.stop_token_ids.extend(ids)
+    if "logit_bias" in body:
+        bias = body["logit_bias"]
+        if not isinstance(bias, dict):
+            raise HttpError(400, 'logit_bias must be an object mapping token ids to a bias, e.g. {"50256": -100}',
+                            param="logit_bias")
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 else None
+            if token is None:
+                raise HttpError(400, f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise HttpError(400, f"logit_bias: the bias of token {key} must be a finite number", param="logit_bias")
+            sampling.logit_bias[token] = float(value)
 
 
 def _refuse_unknown(body: dict, allowed: set[str]) -> None:

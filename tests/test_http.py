@@ -222,7 +222,7 @@ def test_errors_come_in_openai_shape(stack):
         ({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, KEY, 400, "tools: not supported"),
         ({**ok, "response_format": {"type": "json_object"}}, KEY, 400, "response_format: not supported"),
         ({**ok, "n": 2}, KEY, 400, "n must be 1"),
-        ({**ok, "frequency_penalty": 0.5}, KEY, 400, "frequency_penalty is not supported"),
+        ({**ok, "logit_bias": {"x": 1}}, KEY, 400, "logit_bias: key 'x' is not a token id"),
         ({**ok, "stream_options": {"include_usage": True}}, KEY, 400, "only allowed with stream"),
         ({**ok, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, KEY, 400,
          "got type 'input_audio'"),
@@ -237,7 +237,10 @@ def test_errors_come_in_openai_shape(stack):
         assert set(reply["error"]) == {"message", "type", "param", "code"}
         assert message in reply["error"]["message"]
     # Bad input has the gRPC front's INVALID_ARGUMENT message, word for word.
-    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 100000}):
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 100000},
+                {"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0}, {"min_p": 1.5},
+                {"max_tokens": 2, "min_tokens": 3}, {"stop_token_ids": [10**9]}, {"logit_bias": {10**8: 1.0}},
+                {"logit_bias": {5: 101.0}}):
         with pytest.raises(grpc.RpcError) as raised:
             stack.generate("hello", **bad)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT

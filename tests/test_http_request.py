@@ -47,6 +47,13 @@ def test_fields_map_onto_the_request():
     assert request.messages[1].content[0].image == IMAGE and request.messages[1].content[1].text == "What?"
     assert (options.stream, options.include_usage, options.logprobs, options.top_logprobs, options.token_ids) == (
         True, True, True, 0, True)
+    assert not s.HasField("presence_penalty") or s.presence_penalty == 0
+    processed, _ = build({"messages": user(), "stop_token_ids": [7, 9], "min_tokens": 2, "logit_bias": {"5": -100,
+                          "12": 2.5}, "min_p": 0.25, "presence_penalty": 0.5, "frequency_penalty": -1,
+                          "repetition_penalty": 1.5})
+    p = processed.sampling
+    assert (list(p.stop_token_ids), p.min_tokens, dict(p.logit_bias), p.min_p, p.presence_penalty,
+            p.frequency_penalty, p.repetition_penalty) == ([7, 9], 2, {5: -100.0, 12: 2.5}, 0.25, 0.5, -1.0, 1.5)
     plain, options = build({"messages": user()})
     assert not plain.sampling.HasField("max_tokens") and not plain.sampling.HasField("temperature")
     assert not plain.HasField("max_pixels") and not options.stream
@@ -55,10 +62,16 @@ def test_fields_map_onto_the_request():
 @pytest.mark.parametrize("body,status,message", [
     ({"messages": user(), "tools": []}, 400, "tools: not supported"),
     ({"messages": user(), "response_format": {"type": "text"}}, 400, "response_format: not supported"),
-    ({"messages": user(), "logit_bias": {"1": 2}}, 400, "logit_bias: not supported"),
+    ({"messages": user(), "logit_bias": {"1": "2"}}, 400, "logit_bias: the bias of token 1 must be a finite number"),
+    ({"messages": user(), "logit_bias": {"-1": 2}}, 400, "logit_bias: key '-1' is not a token id"),
+    ({"messages": user(), "logit_bias": [1, 2]}, 400, "logit_bias must be an object"),
+    ({"messages": user(), "stop_token_ids": [1, -2]}, 400, "stop_token_ids must be a list of token ids"),
+    ({"messages": user(), "stop_token_ids": 5}, 400, "stop_token_ids must be a list of token ids"),
+    ({"messages": user(), "min_tokens": -1}, 400, "min_tokens must be an integer"),
+    ({"messages": user(), "min_p": "0.1"}, 400, "min_p must be a finite number"),
+    ({"messages": user(), "repetition_penalty": True}, 400, "repetition_penalty must be a finite number"),
     ({"messages": user(), "n": 3}, 400, "n must be 1"),
     ({"messages": user(), "n": True}, 400, "n must be 1"),
-    ({"messages": user(), "presence_penalty": 1}, 400, "presence_penalty is not supported"),
     ({"messages": user(), "model": "other"}, 404, "`other` does not exist"),
     ({"messages": user(), "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ({"messages": user(), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be an integer in [0, 20]"),
