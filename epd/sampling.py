@@ -199,6 +199,14 @@ def stops_on(config: SamplingConfig, token: int) -> bool:
 
 
 def _sample_random(logits: torch.Tensor, config: SamplingConfig, step: int) -> int:
+    scores = warp(logits, config)
+    generator = torch.Generator(device="cpu").manual_seed((config.seed + step * _GOLDEN) & _MASK63)
+    probs = torch.softmax(scores.float().cpu(), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The scores a random choice draws from (softmax of them): temperature, min_p, top_k, top_p."""
     # Shift before scaling: a tiny temperature must sharpen towards greedy, not overflow to inf.
     scores = (logits - logits.max()) / config.temperature
     if config.min_p > 0.0:
@@ -213,9 +221,7 @@ def _sample_random(logits: torch.Tensor, config: SamplingConfig, step: int) -> i
         # Drop a token once the mass before it already reaches top_p; the best token always stays.
         drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= config.top_p
         scores = scores.scatter(0, order[drop], -math.inf)
-    generator = torch.Generator(device="cpu").manual_seed((config.seed + step * _GOLDEN) & _MASK63)
-    probs = torch.softmax(scores.float().cpu(), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return scores
 
 
 def _logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
