@@ -114,8 +114,14 @@ class RouterCore:
         run.sampling = sampling = self._resolve_sampling(request.sampling)
         max_pixels = request.max_pixels if request.HasField("max_pixels") else None
         loop = asyncio.get_running_loop()
-        run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
-                                                         request.enable_thinking)
+        if request.prompt or request.prompt_token_ids:  # a completion: no template, no images
+            if request.messages:
+                raise ValueError("send messages (a chat) or prompt / prompt_token_ids (a completion), not both")
+            run.prompt = prompt = await loop.run_in_executor(None, self.builder.build_completion, request.prompt,
+                                                             request.prompt_token_ids)
+        else:
+            run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
+                                                             request.enable_thinking)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
 

@@ -27,7 +27,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from starlette.applications import Starlette
@@ -52,6 +52,12 @@ SUPPORTED = {
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_p", "min_tokens", "logit_bias", "stop_token_ids",
+}
+# POST /v1/completions' fields (the legacy API; None counts as absent).
+COMPLETION_FIELDS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
+    "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -117,6 +123,18 @@ class ChatOptions:
     token_ids: bool = False
 
 
+@dataclass(frozen=True)
+class CompletionOptions:
+    """What shapes a (legacy) completion's response."""
+
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # the legacy integer: alternatives per token (0: the sampled token's only)
+    echo: str = ""  # the prompt's text, put before the completion (echo: true)
+    token_ids: bool = False
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
 class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
@@ -132,6 +150,7 @@ class HttpFront:
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -303,14 +322,20 @@ class HttpFront:
             raise self._unknown_model(body["model"])
 
     async def chat_completions(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generation(request, f"chatcmpl-{uuid.uuid4().hex}", self.build_request, _ChatCall)
+
+    async def completions(self, request: Request) -> Response:
+        """The legacy ``POST /v1/completions``: a prompt (text or token ids) completed as it is."""
+        return await self._generation(request, f"cmpl-{uuid.uuid4().hex}", self.build_completion, _CompletionCall)
+
+    async def _generation(self, request: Request, request_id: str, build, call) -> Response:
         logs.REQUEST_ID.set(request_id)
         try:
             refused = self._unauthorized(request)
             if refused:
                 raise refused
             body = await self._read_json(request)
-            proto, options = await self.build_request(body, request_id)
+            proto, options = await build(body, request_id)
         except ClientDisconnect:  # gone before its request was whole: nothing to answer
             return Response(status_code=499)
         except Exception as error:  # noqa: BLE001 - every refusal leaves in OpenAI's shape
@@ -319,7 +344,7 @@ class HttpFront:
                 log.warning("http request %s: %s", request_id, failure.message)
             self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
             return failure.response()
-        return _ChatCall(self, proto, options, request_id)
+        return call(self, proto, options, request_id)
 
     async def _not_found(self, request: Request, exc) -> Response:
         return HttpError(404, f"no route {request.method} {request.url.path}", "not_found_error").response()
@@ -403,29 +428,7 @@ class HttpFront:
         if top_logprobs and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-        sampling = epd_pb2.SamplingParams()
-        tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
-        if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
-            raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
-        if tokens:
-            sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
-        if "temperature" in body:
-            sampling.temperature = _number(body, "temperature")
-        if "top_p" in body:
-            sampling.top_p = _number(body, "top_p")
-        if "top_k" in body:
-            top_k = _integer(body, "top_k", -1, 2**31 - 1)
-            sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
-        if "seed" in body:
-            sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
-        if "stop" in body:
-            stop = body["stop"]
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
-            sampling.stop.extend(stops)
-        sampling.ignore_eos = _bool(body, "ignore_eos")
-        _logits_processing(body, sampling)
+        sampling = _sampling_params(body)
         if logprobs:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
 
@@ -441,6 +444,49 @@ class HttpFront:
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
                               token_ids=_bool(body, "return_token_ids"))
         return request, options
+
+    async def build_completion(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, CompletionOptions]:
+        """``POST /v1/completions``: check every field and build the request (the prompt tokenized
+        here, as the request path would, so ``echo`` and ``return_token_ids`` know it)."""
+        body = {key: value for key, value in body.items() if value is not None}
+        unsupported = sorted(set(body) - COMPLETION_FIELDS)
+        if unsupported:
+            raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
+                            code="unsupported_parameter")
+        if "model" in body and body["model"] != self.model_name:
+            if not isinstance(body["model"], str):
+                raise HttpError(400, "model must be a string", param="model")
+            raise self._unknown_model(body["model"])
+        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+            raise HttpError(400, "n must be 1: this server returns one choice per request", param="n",
+                            code="unsupported_parameter")
+        stream = _bool(body, "stream")
+        stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
+        if stream_options and not stream:
+            raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if stream_options.get("continuous_usage_stats"):
+            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
+                            param="stream_options", code="unsupported_parameter")
+        include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
+        echo = _bool(body, "echo")
+        if echo and logprobs is not None:
+            raise HttpError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
+                            param="echo", code="unsupported_parameter")
+        if "user" in body and not isinstance(body["user"], str):
+            raise HttpError(400, "user must be a string", param="user")
+        text, ids = _completion_prompt(body.get("prompt"))
+        sampling = _sampling_params(body)
+        if logprobs is not None:
+            sampling.logprobs = max(1, logprobs)
+        builder = self.core.builder
+        prompt = await asyncio.get_running_loop().run_in_executor(None, builder.build_completion, text, ids)
+        request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt.token_ids)
+        echoed = (text if text else builder.tokenizer.decode(prompt.token_ids)) if echo else ""
+        options = CompletionOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echoed,
+                                    token_ids=_bool(body, "return_token_ids"), prompt_token_ids=prompt.token_ids)
+        return request, options
+
 
     async def _messages(self, messages) -> list[epd_pb2.ChatMessage]:
         if not isinstance(messages, list) or not messages:
@@ -496,6 +542,52 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+
+def _sampling_params(body: dict) -> epd_pb2.SamplingParams:
+    """The generation fields chat and completions share (``logprobs`` is each one's own)."""
+    sampling = epd_pb2.SamplingParams()
+    tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
+    if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
+    if tokens:
+        sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
+    if "temperature" in body:
+        sampling.temperature = _number(body, "temperature")
+    if "top_p" in body:
+        sampling.top_p = _number(body, "top_p")
+    if "top_k" in body:
+        top_k = _integer(body, "top_k", -1, 2**31 - 1)
+        sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
+    if "seed" in body:
+        sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
+    if "stop" in body:
+        stop = body["stop"]
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
+        sampling.stop.extend(stops)
+    sampling.ignore_eos = _bool(body, "ignore_eos")
+    _logits_processing(body, sampling)
+    return sampling
+
+
+def _completion_prompt(prompt) -> tuple[str, list[int]]:
+    """A completion's ``prompt``: a string, token ids, or a list holding one of those."""
+    shape = "prompt must be a string, a list of token ids, or a list of one of those"
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise HttpError(400, f"prompt: one prompt per request on this server, got {len(prompt)}; send them as "
+                            "separate requests", param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise HttpError(400, "prompt is empty", param="prompt")
+        return prompt, []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                   for t in prompt):
+        return "", prompt
+    raise HttpError(400, shape, param="prompt")
 
 
 def _logits_processing(body: dict, sampling: epd_pb2.SamplingParams) -> None:
@@ -723,6 +815,95 @@ class _ChatCall:
             await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
         else:
             await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(summary)}])
+            if self.options.include_usage:
+                usage = {}
+                await emit([], usage=_usage(summary))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class _CompletionCall(_ChatCall):
+    """A legacy completion's response: ``text`` instead of a message, the legacy logprobs object."""
+
+    def _logprobs(self, entries, token_ids, offset: int) -> dict:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of these tokens, their
+        text offsets counted from ``offset`` characters into the choice's text."""
+        tokenizer = self.front.core.builder.tokenizer
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, entries):
+            text = tokenizer.decode([token_id])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append({tokenizer.decode([alt.token_id]): alt.logprob
+                                        for alt in list(entry.top)[:self.options.logprobs]})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _choice(self, text: str, token_ids, logprobs, offset: int, finish: str | None, first: bool) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if self.options.logprobs is not None:
+            choice["logprobs"] = self._logprobs(logprobs, token_ids, offset)
+        if self.options.token_ids:
+            choice["token_ids"] = list(token_ids)
+            if first:
+                choice["prompt_token_ids"] = list(self.options.prompt_token_ids)
+        return choice
+
+    async def _whole(self, send, first, events) -> None:
+        text, token_ids, logprobs, summary = [], [], [], None
+        try:
+            event = first
+            while event is not None:
+                if event.WhichOneof("event") == "summary":
+                    summary = event.summary
+                else:
+                    text.append(event.chunk.text)
+                    token_ids.extend(event.chunk.token_ids)
+                    logprobs.extend(event.chunk.logprobs)
+                event = await anext(events, None)
+        except Exception as error:  # noqa: BLE001 - nothing sent yet: the error gets its status
+            self.started = True
+            await _send_json(send, *self._error(error))
+            return
+        echo = self.options.echo
+        choice = self._choice(echo + "".join(text), token_ids, logprobs, len(echo), _finish(summary), True)
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.front.model_name,
+                "choices": [choice], "usage": _usage(summary), "system_fingerprint": None}
+        self.started = True
+        await _send_json(send, 200, body, {"x-request-id": self.id})
+
+    async def _stream(self, send, first, events) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-request-id", self.id.encode())]})
+        usage = {"usage": None} if self.options.include_usage else {}
+
+        async def emit(choices: list, **extra) -> None:
+            chunk = {"id": self.id, "object": "text_completion", "created": self.created,
+                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
+            await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+
+        summary, offset, pending_first = None, 0, True
+        if self.options.echo:
+            await emit([self._choice(self.options.echo, [], [], 0, None, True)])
+            offset, pending_first = len(self.options.echo), False
+        try:
+            event = first
+            while event is not None:
+                if event.WhichOneof("event") == "summary":
+                    summary = event.summary
+                elif event.chunk.text or event.chunk.token_ids:
+                    chunk = event.chunk
+                    await emit([self._choice(chunk.text, chunk.token_ids, chunk.logprobs, offset, None, pending_first)])
+                    offset += len(chunk.text)
+                    pending_first = False
+                event = await anext(events, None)
+        except Exception as error:  # noqa: BLE001 - the status line is gone: say it in the stream
+            _, body, _ = self._error(error)
+            await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
+        else:
+            await emit([self._choice("", [], [], offset, _finish(summary), pending_first)])
             if self.options.include_usage:
                 usage = {}
                 await emit([], usage=_usage(summary))
