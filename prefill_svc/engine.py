@@ -164,7 +164,8 @@ class PrefillEngine:
         prompt_len = len(token_ids) - request.num_generated
         spans = positions.find_image_spans(token_ids[:prompt_len], self.info.image_token_id, grids)
         images = [KeyedImage(span, ref.store_key) for span, ref in zip(spans, request.images)]
-        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint)
+        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
+                                     request.cache_salt)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
         needed = [index for index, span in enumerate(spans) if span.end > cached]
         read_start = time.perf_counter()

@@ -45,6 +45,7 @@ MAX_RESUMES = 8  # a request moves to another decode worker at most this often
 STAGES = ("tokenize", "encode", "prefill", "decode")
 MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
 MAX_STOP_CHARS = 1000
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class RouterCore:
@@ -112,6 +113,9 @@ class RouterCore:
     async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt may be at most {MAX_CACHE_SALT_CHARS} characters, got {len(request.cache_salt)}")
+        run.cache_salt = request.cache_salt
         max_pixels = request.max_pixels if request.HasField("max_pixels") else None
         loop = asyncio.get_running_loop()
         if request.prompt or request.prompt_token_ids:  # a completion: no template, no images
@@ -134,8 +138,12 @@ class RouterCore:
         ttft = time.perf_counter() - start
 
         text = TextStream(self.builder.tokenizer, list(request.sampling.stop), min_tokens=sampling.min_tokens)
-        yield _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
-                     [reply.first_logprobs] if sampling.logprobs else [])
+        first = _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
+                       [reply.first_logprobs] if sampling.logprobs else [])
+        first.chunk.prompt_tokens = len(prompt.token_ids)
+        if request.return_prompt_token_ids:
+            first.chunk.prompt_token_ids.extend(prompt.token_ids)
+        yield first
         finish = reply.finish_reason if reply.finished else ""
         if text.stopped and not finish:
             finish = FinishReason.STOP.value
@@ -150,7 +158,13 @@ class RouterCore:
         if tail:
             yield _chunk([], tail, [])
         self._count(encoded=len(run.encoded), prefix_tokens=reply.cached_tokens)
+        stop_reason = {}
+        if finish == FinishReason.STOP.value and text.stopped:
+            stop_reason = {"stop_string": text.matched}
+        elif finish == FinishReason.STOP.value and text.stop_token is not None:
+            stop_reason = {"stop_token_id": text.stop_token}
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
+            **stop_reason,
             request_id=request.request_id or run.request_id,
             prompt_tokens=len(prompt.token_ids),
             image_tokens=prompt.num_image_tokens,
@@ -319,6 +333,7 @@ class RouterCore:
             sampling=sampling_to_proto(run.sampling),
             deadline_unix=run.deadline,
             num_generated=len(generated),
+            cache_salt=run.cache_salt,
         )
 
     async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
@@ -477,6 +492,7 @@ class _Run:
     prompt: Prompt
     sampling: SamplingConfig
     deadline: float
+    cache_salt: str = ""
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id

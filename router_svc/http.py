@@ -46,18 +46,19 @@ from router_svc.stats import RequestStats
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is a request of its own
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_p", "min_tokens", "logit_bias", "stop_token_ids",
+    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
 }
 # POST /v1/completions' fields (the legacy API; None counts as absent).
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
     "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -121,6 +122,8 @@ class ChatOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     token_ids: bool = False
+    n: int = 1  # choices: n requests run concurrently (seeds seed, seed + 1, ...)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class CompletionOptions:
     echo: str = ""  # the prompt's text, put before the completion (echo: true)
     token_ids: bool = False
     prompt_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    continuous_usage: bool = False
 
 
 class HttpFront:
@@ -412,17 +417,13 @@ class HttpFront:
             if not isinstance(body["model"], str):
                 raise HttpError(400, "model must be a string", param="model")
             raise self._unknown_model(body["model"])
-        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-            raise HttpError(400, "n must be 1: this server returns one choice per request", param="n",
-                            code="unsupported_parameter")
+        n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
         stream = _bool(body, "stream")
         stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
         if stream_options and not stream:
             raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if stream_options.get("continuous_usage_stats"):
-            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
-                            param="stream_options", code="unsupported_parameter")
         include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
         logprobs = _bool(body, "logprobs")
         top_logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if "top_logprobs" in body else 0
         if top_logprobs and not logprobs:
@@ -440,9 +441,11 @@ class HttpFront:
         request.enable_thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
         if "user" in body and not isinstance(body["user"], str):
             raise HttpError(400, "user must be a string", param="user")
+        request.cache_salt = _cache_salt(body)
         request.messages.extend(await self._messages(body.get("messages")))
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-                              token_ids=_bool(body, "return_token_ids"))
+                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous)
+        request.return_prompt_token_ids = options.token_ids
         return request, options
 
     async def build_completion(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, CompletionOptions]:
@@ -457,17 +460,13 @@ class HttpFront:
             if not isinstance(body["model"], str):
                 raise HttpError(400, "model must be a string", param="model")
             raise self._unknown_model(body["model"])
-        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-            raise HttpError(400, "n must be 1: this server returns one choice per request", param="n",
-                            code="unsupported_parameter")
+        n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
         stream = _bool(body, "stream")
         stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
         if stream_options and not stream:
             raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if stream_options.get("continuous_usage_stats"):
-            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
-                            param="stream_options", code="unsupported_parameter")
         include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
         logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
         echo = _bool(body, "echo")
         if echo and logprobs is not None:
@@ -481,10 +480,12 @@ class HttpFront:
             sampling.logprobs = max(1, logprobs)
         builder = self.core.builder
         prompt = await asyncio.get_running_loop().run_in_executor(None, builder.build_completion, text, ids)
-        request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt.token_ids)
+        request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt.token_ids,
+                                          cache_salt=_cache_salt(body))
         echoed = (text if text else builder.tokenizer.decode(prompt.token_ids)) if echo else ""
         options = CompletionOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echoed,
-                                    token_ids=_bool(body, "return_token_ids"), prompt_token_ids=prompt.token_ids)
+                                    token_ids=_bool(body, "return_token_ids"), prompt_token_ids=prompt.token_ids,
+                                    n=n, continuous_usage=continuous)
         return request, options
 
 
@@ -496,7 +497,7 @@ class HttpFront:
             where = f"messages[{m_index}]"
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise HttpError(400, f"{where} must be an object with a string role", param="messages")
-            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content"})
+            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content", "name"})
             if extra:
                 raise HttpError(400, f"{where}: {', '.join(extra)} not supported by this server", param="messages",
                                 code="unsupported_parameter")
@@ -504,7 +505,10 @@ class HttpFront:
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(parts, list):
                 raise HttpError(400, f"{where}.content must be a string or a list of parts", param="messages")
-            chat = epd_pb2.ChatMessage(role=message["role"])
+            name = message.get("name")
+            if name is not None and not isinstance(name, str):
+                raise HttpError(400, f"{where}.name must be a string", param="messages")
+            chat = epd_pb2.ChatMessage(role=message["role"], name=name or "")
             for p_index, part in enumerate(parts):
                 here = f"{where}.content[{p_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -570,6 +574,14 @@ def _sampling_params(body: dict) -> epd_pb2.SamplingParams:
     sampling.ignore_eos = _bool(body, "ignore_eos")
     _logits_processing(body, sampling)
     return sampling
+
+
+def _cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: a non-empty string (its length is checked by the request path)."""
+    salt = body.get("cache_salt", "")
+    if not isinstance(salt, str) or ("cache_salt" in body and not salt):
+        raise HttpError(400, "cache_salt must be a non-empty string", param="cache_salt")
+    return salt
 
 
 def _completion_prompt(prompt) -> tuple[str, list[int]]:
@@ -727,24 +739,37 @@ class _ChatCall:
             return
         producer.result()
 
+    def _requests(self) -> list[epd_pb2.GenerateRequest]:
+        """One request per choice (``n``), run concurrently: the same request, except that choice
+        ``i``'s seed is ``seed + i`` when the client gave a seed (without one each draws its own)."""
+        out = []
+        for index in range(self.options.n):
+            request = epd_pb2.GenerateRequest()
+            request.CopyFrom(self.request)
+            if index and request.sampling.HasField("seed"):
+                request.sampling.seed = (request.sampling.seed + index) % 2**64
+            if index:
+                request.request_id = f"{self.id}-{index}"
+            out.append(request)
+        return out
+
     async def _produce(self, send) -> None:
         front = self.front
-        events = front.stats.track("http", front.core.generate(self.request, None))
+        streams = [front.stats.track("http", front.core.generate(request, None)) for request in self._requests()]
         try:
             try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = None
+                firsts = await _all([_next(stream) for stream in streams])
             except Exception as error:  # noqa: BLE001 - a refusal before anything was sent: its own status
                 self.started = True
                 await _send_json(send, *self._error(error))
                 return
             if self.options.stream:
-                await self._stream(send, first, events)
+                await self._stream(send, firsts, streams)
             else:
-                await self._whole(send, first, events)
+                await self._whole(send, firsts, streams)
         finally:
-            await events.aclose()
+            for stream in streams:
+                await stream.aclose()
 
     def _error(self, error: BaseException) -> tuple[int, dict, dict]:
         failure = http_error(error)
@@ -753,76 +778,129 @@ class _ChatCall:
         headers = {"retry-after": "1"} if failure.status in (429, 503) else {}
         return failure.status, failure.body(), headers
 
-    async def _whole(self, send, first, events) -> None:
-        text, token_ids, logprobs, summary = [], [], [], None
+    # ------------------------------------------------------------ the shapes (chat here, completions below)
+
+    OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+
+    def _whole_choice(self, index: int, got: _Collected) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": "".join(got.text)},
+                  "logprobs": None, "finish_reason": _finish(got.summary), "stop_reason": _stop_reason(got.summary)}
+        if self.options.logprobs:
+            choice["logprobs"] = {"content": self.front.logprobs_json(got.logprobs, self.options, got.token_ids)}
+        if self.options.token_ids:
+            choice["token_ids"] = got.token_ids
+        return choice
+
+    def _whole_extra(self, results: list[_Collected]) -> dict:
+        return {"prompt_token_ids": results[0].prompt_token_ids} if self.options.token_ids else {}
+
+    def _opening_choices(self, index: int, state: dict) -> list[dict]:
+        return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
+        choice = {"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+        if self.options.logprobs:
+            choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options, chunk.token_ids)}
+        if self.options.token_ids:
+            choice["token_ids"] = list(chunk.token_ids)
+        return choice
+
+    def _final_choice(self, index: int, summary, state: dict) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish(summary),
+                "stop_reason": _stop_reason(summary)}
+
+    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+        """Top-level fields of a streamed chunk: vLLM's chat puts prompt_token_ids on the first."""
+        return {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids and chunk.prompt_tokens \
+            else {}
+
+    # ------------------------------------------------------------ the response
+
+    async def _whole(self, send, firsts, streams) -> None:
         try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
-                else:
-                    text.append(event.chunk.text)
-                    token_ids.extend(event.chunk.token_ids)
-                    logprobs.extend(event.chunk.logprobs)
-                event = await anext(events, None)
+            results = await _all([_collect(first, stream) for first, stream in zip(firsts, streams)])
         except Exception as error:  # noqa: BLE001 - nothing sent yet: the error gets its status
             self.started = True
             await _send_json(send, *self._error(error))
             return
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "logprobs": None, "finish_reason": _finish(summary)}
-        if self.options.logprobs:
-            choice["logprobs"] = {"content": self.front.logprobs_json(logprobs, self.options, token_ids)}
-        if self.options.token_ids:
-            choice["token_ids"] = token_ids
-        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.front.model_name,
-                "choices": [choice], "usage": _usage(summary), "system_fingerprint": None}
+        body = {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.front.model_name,
+                "choices": [self._whole_choice(index, got) for index, got in enumerate(results)],
+                "usage": _usage([got.summary for got in results]), "system_fingerprint": None,
+                **self._whole_extra(results)}
         self.started = True
         await _send_json(send, 200, body, {"x-request-id": self.id})
 
-    async def _stream(self, send, first, events) -> None:
+    async def _stream(self, send, firsts, streams) -> None:
         self.started = True
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-request-id", self.id.encode())]})
-        usage = {"usage": None} if self.options.include_usage else {}
+        options = self.options
+        prompt_tokens = next((f.chunk.prompt_tokens for f in firsts if f is not None
+                              and f.WhichOneof("event") == "chunk"), 0)
+        completion = [0] * len(streams)
 
-        async def emit(choices: list, **extra) -> None:
-            chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
+        def running() -> dict | None:
+            """continuous_usage_stats: the usage so far on every chunk (else null until the last)."""
+            if not options.continuous_usage:
+                return None
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
+                    "total_tokens": prompt_tokens + sum(completion)}
+
+        async def emit(choices: list, usage: dict | None = None, **extra) -> None:
+            chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
+                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **extra}
+            if options.include_usage:
+                chunk["usage"] = usage
             await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
 
-        await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}])
-        summary = None
+        states = [{} for _ in streams]
+        for index, state in enumerate(states):
+            for choice in self._opening_choices(index, state):
+                await emit([choice], running())
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, event, stream) -> None:
+            try:
+                while event is not None:
+                    await queue.put((index, event, None))
+                    event = await anext(stream, None)
+                await queue.put((index, None, None))
+            except Exception as error:  # noqa: BLE001 - handed to the writer below
+                await queue.put((index, None, error))
+
+        pumps = [asyncio.ensure_future(pump(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts, streams))]
+        summaries, failure, open_streams = [None] * len(streams), None, len(streams)
         try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
+            while open_streams and failure is None:
+                index, event, error = await queue.get()
+                if event is None:
+                    open_streams -= 1
+                    failure = error
+                elif event.WhichOneof("event") == "summary":
+                    summaries[index] = event.summary
+                    await emit([self._final_choice(index, event.summary, states[index])], running())
                 elif event.chunk.text or event.chunk.token_ids:
-                    chunk = event.chunk
-                    choice = {"index": 0, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
-                    if self.options.logprobs:
-                        choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options,
-                                                                                  chunk.token_ids)}
-                    if self.options.token_ids:
-                        choice["token_ids"] = list(chunk.token_ids)
-                    await emit([choice])
-                event = await anext(events, None)
-        except Exception as error:  # noqa: BLE001 - the status line is gone: say it in the stream
-            _, body, _ = self._error(error)
+                    completion[index] += len(event.chunk.token_ids)
+                    await emit([self._delta_choice(index, event.chunk, states[index])], running(),
+                               **self._chunk_extra(event.chunk))
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+        if failure is not None:  # the status line is gone: say it in the stream
+            _, body, _ = self._error(failure)
             await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
-        else:
-            await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(summary)}])
-            if self.options.include_usage:
-                usage = {}
-                await emit([], usage=_usage(summary))
+        elif options.include_usage:
+            await emit([], _usage(summaries))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 class _CompletionCall(_ChatCall):
     """A legacy completion's response: ``text`` instead of a message, the legacy logprobs object."""
+
+    OBJECT = CHUNK_OBJECT = "text_completion"
 
     def _logprobs(self, entries, token_ids, offset: int) -> dict:
         """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of these tokens, their
@@ -839,87 +917,107 @@ class _CompletionCall(_ChatCall):
             offset += len(text)
         return out
 
-    def _choice(self, text: str, token_ids, logprobs, offset: int, finish: str | None, first: bool) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, index: int, text: str, token_ids, logprobs, state: dict, finish: str | None = None,
+                stop_reason: str | int | None = None) -> dict:
+        """One choice, or a streamed piece of one; ``state`` keeps its text offset and whether the
+        prompt's token ids went out yet."""
+        offset = state.get("offset", 0)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         if self.options.logprobs is not None:
             choice["logprobs"] = self._logprobs(logprobs, token_ids, offset)
         if self.options.token_ids:
             choice["token_ids"] = list(token_ids)
-            if first:
+            if not state.get("sent_prompt"):
                 choice["prompt_token_ids"] = list(self.options.prompt_token_ids)
+                state["sent_prompt"] = True
+        state["offset"] = offset + len(text)
         return choice
 
-    async def _whole(self, send, first, events) -> None:
-        text, token_ids, logprobs, summary = [], [], [], None
-        try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
-                else:
-                    text.append(event.chunk.text)
-                    token_ids.extend(event.chunk.token_ids)
-                    logprobs.extend(event.chunk.logprobs)
-                event = await anext(events, None)
-        except Exception as error:  # noqa: BLE001 - nothing sent yet: the error gets its status
-            self.started = True
-            await _send_json(send, *self._error(error))
-            return
+    def _whole_choice(self, index: int, got: _Collected) -> dict:
         echo = self.options.echo
-        choice = self._choice(echo + "".join(text), token_ids, logprobs, len(echo), _finish(summary), True)
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.front.model_name,
-                "choices": [choice], "usage": _usage(summary), "system_fingerprint": None}
-        self.started = True
-        await _send_json(send, 200, body, {"x-request-id": self.id})
+        state = {"offset": len(echo)}
+        choice = self._choice(index, "".join(got.text), got.token_ids, got.logprobs, state, _finish(got.summary),
+                              _stop_reason(got.summary))
+        choice["text"] = echo + choice["text"]
+        return choice
 
-    async def _stream(self, send, first, events) -> None:
-        self.started = True
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-request-id", self.id.encode())]})
-        usage = {"usage": None} if self.options.include_usage else {}
+    def _whole_extra(self, results: list[_Collected]) -> dict:
+        return {}
 
-        async def emit(choices: list, **extra) -> None:
-            chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
-            await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+    def _opening_choices(self, index: int, state: dict) -> list[dict]:
+        return [self._choice(index, self.options.echo, [], [], state)] if self.options.echo else []
 
-        summary, offset, pending_first = None, 0, True
-        if self.options.echo:
-            await emit([self._choice(self.options.echo, [], [], 0, None, True)])
-            offset, pending_first = len(self.options.echo), False
-        try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
-                elif event.chunk.text or event.chunk.token_ids:
-                    chunk = event.chunk
-                    await emit([self._choice(chunk.text, chunk.token_ids, chunk.logprobs, offset, None, pending_first)])
-                    offset += len(chunk.text)
-                    pending_first = False
-                event = await anext(events, None)
-        except Exception as error:  # noqa: BLE001 - the status line is gone: say it in the stream
-            _, body, _ = self._error(error)
-            await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
+    def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
+        return self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
+
+    def _final_choice(self, index: int, summary, state: dict) -> dict:
+        return self._choice(index, "", [], [], state, _finish(summary), _stop_reason(summary))
+
+    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+        return {}
+
+
+@dataclass
+class _Collected:
+    """One choice's whole answer."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    summary: epd_pb2.Summary | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+async def _next(stream):
+    return await anext(stream, None)
+
+
+async def _collect(first, stream) -> _Collected:
+    got, event = _Collected(), first
+    while event is not None:
+        if event.WhichOneof("event") == "summary":
+            got.summary = event.summary
         else:
-            await emit([self._choice("", [], [], offset, _finish(summary), pending_first)])
-            if self.options.include_usage:
-                usage = {}
-                await emit([], usage=_usage(summary))
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            got.text.append(event.chunk.text)
+            got.token_ids.extend(event.chunk.token_ids)
+            got.logprobs.extend(event.chunk.logprobs)
+            got.prompt_token_ids.extend(event.chunk.prompt_token_ids)
+        event = await anext(stream, None)
+    return got
+
+
+async def _all(awaitables: list) -> list:
+    """Run them together; the first failure cancels the rest (and is raised once they stopped)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _stop_reason(summary) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice, else null."""
+    kind = summary.WhichOneof("stop_reason") if summary is not None else None
+    return getattr(summary, kind) if kind else None
 
 
 def _finish(summary) -> str | None:
     return FINISH_REASONS.get(summary.finish_reason, summary.finish_reason) if summary is not None else None
 
 
-def _usage(summary) -> dict | None:
-    if summary is None:
+def _usage(summaries) -> dict | None:
+    """Usage of the n choices of one request: the prompt once (and its cached tokens: the first
+    choice's), the completion tokens of all."""
+    if not summaries or any(summary is None for summary in summaries):
         return None
-    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.completion_tokens,
-            "total_tokens": summary.prompt_tokens + summary.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}}
+    prompt, completion = summaries[0].prompt_tokens, sum(summary.completion_tokens for summary in summaries)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": summaries[0].cached_tokens}}
 
 
 def _sse(obj: dict) -> bytes:

@@ -26,6 +26,7 @@ from router_svc.tokens import PlainText
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+MAX_NAME_CHARS = 256  # a message's name
 # The model's own structure in its answers: in an assistant message these are tokens, as the
 # template renders them (and as transformers tokenizes them), so the template can find and strip
 # earlier reasoning. Everywhere else, and every other added token (the role markers) everywhere,
@@ -178,7 +179,12 @@ class PromptBuilder:
                     else:  # plain text: vision placeholders in it are characters too, harmless
                         parts.append({"type": "text", "text": self._escape(part.text, message.role)})
                     has_content = has_content or bool(part.text.strip())
-            chat.append({"role": message.role, "content": parts})
+            entry = {"role": message.role, "content": parts}
+            if message.name:  # for a template that renders it (Qwen3.5's does not); plain text like all client text
+                if len(message.name) > MAX_NAME_CHARS:
+                    raise ValueError(f"message {m_index} name is {len(message.name)} characters; at most {MAX_NAME_CHARS}")
+                entry["name"] = message.name if self.allow_special_tokens else self.plain.escape(message.name)
+            chat.append(entry)
         if not has_content:
             raise ValueError("prompt is empty: no text and no images")
         return chat, images

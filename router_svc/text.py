@@ -26,6 +26,8 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
         self._frozen: str | None = None  # the final text, once a stop token ended the completion
+        self.matched = ""  # the stop string that ended it
+        self.stop_token: int | None = None  # or the stop token that did
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self._settled = 0  # tokens whose text is final
@@ -55,6 +57,7 @@ class TextStream:
             text = self._text()
             self._frozen = text
             self.token_ids.append(token_ids[-1])
+            self.stop_token = token_ids[-1]
             self.consumed = len(token_ids)
             return delta + self._advance(text, len(text))
         if not self.stop:  # nothing can stop the stream: the whole batch at once
@@ -106,8 +109,11 @@ class TextStream:
     def _find_stop(self, text: str) -> int | None:
         # Only text past what was already emitted minus the hold can hold a new stop string.
         start = max(0, self._emitted - self._hold)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        cut, self.matched = min(hits, key=lambda hit: hit[0])
+        return cut
 
     def _advance(self, text: str, end: int) -> str:
         if end <= self._emitted:

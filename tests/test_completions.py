@@ -134,7 +134,8 @@ def test_the_grpc_completion_prompt(stack, oracle):
     ({"prompt": PROMPT, "best_of": 2}, "best_of: not supported"),
     ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"prompt": PROMPT, "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
-    ({"prompt": PROMPT, "n": 2}, "n must be 1"),
+    ({"prompt": PROMPT, "n": 17}, "n must be an integer in [1, 16]"),
+    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt must be a non-empty string"),
     ({"prompt": PROMPT, "min_p": 2.0}, "min_p must be in [0, 1]"),
     ({"prompt": [[10**8]]}, "is not a token id"),
 ])

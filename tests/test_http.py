@@ -221,7 +221,7 @@ def test_errors_come_in_openai_shape(stack):
     cases = [
         ({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, KEY, 400, "tools: not supported"),
         ({**ok, "response_format": {"type": "json_object"}}, KEY, 400, "response_format: not supported"),
-        ({**ok, "n": 2}, KEY, 400, "n must be 1"),
+        ({**ok, "n": 17}, KEY, 400, "n must be an integer in [1, 16]"),
         ({**ok, "logit_bias": {"x": 1}}, KEY, 400, "logit_bias: key 'x' is not a token id"),
         ({**ok, "stream_options": {"include_usage": True}}, KEY, 400, "only allowed with stream"),
         ({**ok, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, KEY, 400,
