@@ -181,3 +181,24 @@ def test_a_json_body_is_read(content_type):
     # Past the Content-Type check, the body's own fault is what is reported.
     status, reply = post(front, "/v1/chat/completions", b'{"messages": []}', content_type)
     assert (status, reply["error"]["message"]) == (400, "messages must be a non-empty list")
+
+
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                                   "response_format", "guided_json", "structured_outputs", "audio", "modalities",
+                                   "reasoning_effort", "prediction", "store", "metadata", "service_tier",
+                                   "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
+                                   "allowed_token_ids", "bad_words", "include_stop_str_in_output",
+                                   "skip_special_tokens", "truncate_prompt_tokens", "add_generation_prompt",
+                                   "continue_final_message", "chat_template", "priority", "kv_transfer_params"])
+def test_the_refused_fields_docs_list_are_refused_by_name(field):
+    """docs/OPERATIONS.md lists these as refused: each is, with its name in the message."""
+    with pytest.raises(HttpError) as raised:
+        build({"messages": user(), field: 1})
+    assert raised.value.status == 400 and raised.value.message.startswith(f"{field}: not supported")
+    front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, RequestStats())
+    if field in ("best_of", "use_beam_search", "length_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                 "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "priority",
+                 "kv_transfer_params"):
+        with pytest.raises(HttpError) as raised:
+            asyncio.run(front.build_completion({"prompt": "hi", field: 1}, "cmpl-1"))
+        assert raised.value.message.startswith(f"{field}: not supported")
