@@ -101,6 +101,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),
+    _flag("--replica-wait-s", "serve.replica_wait_s"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )

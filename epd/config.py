@@ -369,8 +369,13 @@ class ServeConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    replica_wait_s: float = 30.0
+    """How long a call waits for a replica of the role it needs when none is left (the only one
+    died and Ray is restarting it): the router's calls to every role, prefill's handoffs, the
+    Encoder service's images. Within the request's deadline; 0: fail at once with UNAVAILABLE."""
 
     def __post_init__(self) -> None:
+        _check_range(self.replica_wait_s, 0, 3600, "replica_wait_s")
         path = os.path.join(self.model_dir, "config.json")
         _check(os.path.isfile(path), "model_dir", f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
                "create one with `epd model create --preset tiny --out DIR`")
