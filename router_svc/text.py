@@ -27,6 +27,7 @@ class TextStream:
         self.min_tokens = min_tokens
         self._frozen: str | None = None  # the final text, once a stop token ended the completion
         self.matched = ""  # the stop string that ended it
+        self._floor = 0  # text length when the min_tokens-th token came: stop strings must end past it
         self.stop_token: int | None = None  # or the stop token that did
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -68,7 +69,10 @@ class TextStream:
         for index, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
             text = self._text()
-            cut = self._find_stop(text) if len(self.token_ids) > self.min_tokens else None
+            if len(self.token_ids) > self.min_tokens:
+                cut = self._find_stop(text)
+            else:  # within min_tokens: a stop string completed now never counts, later or not
+                cut, self._floor = None, len(text)
             if cut is not None:
                 self.stopped = True
                 self.consumed = index + 1
@@ -109,7 +113,9 @@ class TextStream:
     def _find_stop(self, text: str) -> int | None:
         # Only text past what was already emitted minus the hold can hold a new stop string.
         start = max(0, self._emitted - self._hold)
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        # and none that ended within the first min_tokens tokens (at or before ``_floor``)
+        hits = [(i, s) for i, s in ((text.find(s, max(start, self._floor - len(s) + 1)), s) for s in self.stop)
+                if i >= 0]
         if not hits:
             return None
         cut, self.matched = min(hits, key=lambda hit: hit[0])
