@@ -52,21 +52,21 @@ def _decode_pid(server) -> int:
     return replica["pid"]
 
 
-def _peak_rss(pid: int) -> int:
-    """The process's high-water mark of resident memory (VmHWM), in bytes."""
+def _memory(pid: int, field: str) -> int:
+    """A line of /proc/PID/status in bytes: VmRSS (resident now) or VmHWM (its high-water mark)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for {pid}")
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _peak_rss(pid: int) -> int:
+    return _memory(pid, "VmHWM")
 
 
 def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+    return _memory(pid, "VmRSS")
 
 
 def _free_port() -> int:
