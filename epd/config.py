@@ -201,7 +201,8 @@ class DecodeConfig(LMConfig):
     swap (its state is copied to host memory and comes back bit for bit, while swap_space_bytes has
     room; replay past it) or replay (the router resumes it by a prefill of the prompt and its answer)."""
     swap_space_bytes: int = 0
-    """Host memory swapped-out requests may take in all; 0: as much as the K/V pool."""
+    """Host memory swapped-out requests may take in all; 0: half the K/V pool's bytes (on a CPU the roles
+    share host RAM: pool, swap space, waiting handoffs and prefill's budget stay below what is available)."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
