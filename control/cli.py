@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
+    deploy.add_argument("--allow-plaintext-internal", action="store_true",
+                        help="send the internal token between nodes without TLS (without this, epd deploy needs "
+                             "--internal-tls-ca/--internal-tls-cert/--internal-tls-key: a private network only)")
     _add_log_flags(deploy)
     deploy.set_defaults(func=_cmd_deploy, parser=deploy)
 
@@ -262,6 +265,7 @@ def _add_bench_parser(command) -> None:
                             "with --addr give its HOST:PORT, with --model the stack gets one)")
     stack = bench.add_argument_group("the local stack (with --model)")
     flags.add_flags(stack, flags.BENCH_STACK)
+    flags.add_secret_files(stack)  # and EPD_API_KEY, as epd serve reads it; the load sends the same key
     stack.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
     bench.set_defaults(func=_cmd_bench, parser=bench)
 
@@ -340,7 +344,9 @@ def _cmd_bench(args) -> int:
     from bench.run import BenchConfig, format_report, run_bench
     from epd.config import ConfigError
 
-    stack_flags = [f.option for f in flags.BENCH_STACK if hasattr(args, f.dest)] + (["--config"] if args.config else [])
+    stack_flags = [f.option for f in flags.BENCH_STACK if hasattr(args, f.dest)] + (["--config"] if args.config else []) \
+        + [option for option, value in (("--api-key-file", args.api_key_file),
+                                        ("--internal-token-file", args.internal_token_file)) if value]
     if args.addr and stack_flags:
         args.parser.error(f"{', '.join(stack_flags)} configure the local stack: use them with --model, not --addr")
     if args.baseline_threads and not args.baseline:
@@ -351,8 +357,9 @@ def _cmd_bench(args) -> int:
         stack = None
         if args.model:
             http = {"serve__http__port": 0} if args.api == "openai" else {}
+            # The stack takes the key epd serve would (EPD_API_KEY, --api-key-file), and the load sends it.
             stack = flags.with_secrets(flags.deploy_config(args, flags.BENCH_STACK, args.config,
-                                                           serve__model_dir=args.model, **http), args, {})
+                                                           serve__model_dir=args.model, **http), args, os.environ)
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
@@ -360,7 +367,7 @@ def _cmd_bench(args) -> int:
             turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
             warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
-            api_key=os.environ.get("EPD_API_KEY") or None,
+            api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
         )
     except ConfigError as error:
         args.parser.error(str(error))
@@ -524,6 +531,12 @@ def _cmd_deploy(args) -> int:
                                     os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    if not config.serve.security.internal_tls_ca and not args.allow_plaintext_internal:
+        # Every call between roles carries the internal token; across nodes without TLS anyone on
+        # the path reads it (and with it may call every internal service).
+        args.parser.error("calls between nodes would carry the internal token in clear: give --internal-tls-ca, "
+                          "--internal-tls-cert and --internal-tls-key, or --allow-plaintext-internal on a "
+                          "private network")
     _check_checkpoint(args, config.serve.model_dir)
     why = _tcp_probe(args.address, CONNECT_TIMEOUT_S)
     if why:  # else Ray's driver would retry for minutes

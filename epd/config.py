@@ -82,6 +82,10 @@ class StoreConfig:
         _check_range(self.ttl_s, 1, 30 * 86400, "store.ttl_s")
         _check_range(self.max_memory_mb, 16, 1 << 20, "store.max_memory_mb")
 
+    def __repr__(self) -> str:  # the URL's password never reaches a log, an error or a report
+        return (f"StoreConfig(redis_url={redact_url(self.redis_url) if self.redis_url else None!r}, "
+                f"ttl_s={self.ttl_s!r}, max_memory_mb={self.max_memory_mb!r})")
+
 
 @dataclass(frozen=True)
 class EncodeConfig:
@@ -367,6 +371,32 @@ class ServeConfig:
         if isinstance(positions, int) and self.router.max_model_len > positions:
             raise ConfigError(f"router.max_model_len: {self.router.max_model_len} is more than the model's "
                               f"max_position_embeddings ({positions})")
+
+
+def redacted(config) -> dict:
+    """``dataclasses.asdict(config)`` with every secret taken out: the API key and the internal
+    token become ``"***"`` when set (``""`` when not), a Redis URL loses its password. What reports
+    and logs print of a config (``epd bench --json``)."""
+    def scrub(value):
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if key in SECRET_FIELDS:
+                    out[key] = "***" if item else ""
+                elif key == "redis_url" and isinstance(item, str):
+                    out[key] = redact_url(item)
+                else:
+                    out[key] = scrub(item)
+            return out
+        if isinstance(value, (list, tuple)):
+            return type(value)(scrub(item) for item in value)
+        return value
+
+    return scrub(dataclasses.asdict(config))
+
+
+SECRET_FIELDS = frozenset({"api_key", "internal_token"})
+"""Config fields holding a secret (``SecurityConfig``): never printed, logged or written to a report."""
 
 
 # ---------------------------------------------------------------- deployment on a Ray cluster

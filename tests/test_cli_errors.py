@@ -188,3 +188,19 @@ def test_serve_with_an_unreachable_redis_stops_in_one_line(tiny_model_dir):
     out = epd("serve", "--model", tiny_model_dir, "--redis", f"redis://127.0.0.1:{closed}/0", timeout=180)
     assert_one_line_error(out, "epd serve: stopped: ", f"cannot reach Redis at redis://127.0.0.1:{closed}/0",
                           code=1)
+
+
+def test_deploy_without_internal_tls_refuses_to_send_the_token_in_clear(tiny_model_dir):
+    """Across nodes the internal token would travel in clear: one line naming the flag and the TLS
+    options, before Ray is reached (nothing listens at the address: the refusal comes first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    out = epd("deploy", "--address", f"127.0.0.1:{closed}", "--model", tiny_model_dir,
+              "--redis", "redis://10.0.0.1:6379/0", timeout=120)
+    assert_one_line_error(out, "epd deploy: error:", "internal token in clear", "--allow-plaintext-internal",
+                          "--internal-tls-ca", "--internal-tls-cert", "--internal-tls-key")
+    # With the flag the check passes and the command goes on (here: to the address nobody answers).
+    out = epd("deploy", "--address", f"127.0.0.1:{closed}", "--model", tiny_model_dir,
+              "--redis", "redis://10.0.0.1:6379/0", "--allow-plaintext-internal", timeout=120)
+    assert_one_line_error(out, "epd deploy: no Ray cluster answers at", code=1)
