@@ -415,6 +415,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_serve(args) -> int:
     from control.local import LocalStack, StartError, StoppedElsewhere, wait_forever
+    from epd import logs
     from epd.config import ConfigError
 
     _setup_logging(args)
@@ -434,32 +435,32 @@ def _cmd_serve(args) -> int:
     failed = ""
     try:
         address = stack.start()
-        print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        say = logs.say  # the command's own lines: JSON too with --log-format json
+        say(f"ray at {stack.ray_address} namespace {config.namespace}")
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in stack.http_addresses():
-            print(f"epd http at {scheme}://{http}/v1", flush=True)
-        print(f"epd ready at {address}", flush=True)
+            say(f"epd http at {scheme}://{http}/v1")
+        say(f"epd ready at {address}")
         wait_forever(stack)
     except KeyboardInterrupt:
         pass
     except (DeploymentFailed, StartError, TimeoutError) as error:  # stop everything, say why in one line
         failed = _cause(error)  # (a role cannot start, Redis cannot be reached, replicas not serving in time)
     except StoppedElsewhere as error:  # `epd down`: its roles are gone; Ray and Redis go too
-        print(f"epd serve: {error}", file=sys.stderr, flush=True)
+        logs.say(f"epd serve: {error}", sys.stderr)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
-        print("epd stopping: draining the routers" if stack.controller is not None else "epd stopping",
-              file=sys.stderr, flush=True)
+        logs.say("epd stopping: draining the routers" if stack.controller is not None else "epd stopping", sys.stderr)
         drained = stack.stop()
         if drained.get("in_flight"):
-            print(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
-                  f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", file=sys.stderr, flush=True)
-        print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-        print("epd stopped", flush=True)
+            logs.say(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
+                     f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", sys.stderr)
+        logs.say(f"epd stopped in {time.monotonic() - started:.1f} s", sys.stderr)
+        logs.say("epd stopped")
         if failed:
-            print(f"epd serve: stopped: {failed}", file=sys.stderr, flush=True)
+            logs.say(f"epd serve: stopped: {failed}", sys.stderr, level="ERROR")
     return 1 if failed else 0
 
 
@@ -568,10 +569,13 @@ def _cmd_deploy(args) -> int:
         status = ray.get(handle.status.remote())
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in ray.get(handle.http_addresses.remote()):
-            print(f"epd http at {scheme}://{http}/v1", flush=True)
+            logs.say(f"epd http at {scheme}://{http}/v1")
         for address in ray.get(handle.router_addresses.remote()):
-            print(f"epd ready at {address}", flush=True)
-        print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
+            logs.say(f"epd ready at {address}")
+        if args.json:
+            print(json.dumps(status), flush=True)
+        else:
+            logs.say(f"metrics at http://{status['metrics']}/metrics")
     finally:
         ray.shutdown()
     return 0

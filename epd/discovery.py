@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from epd import errors, rpc
+from epd import errors, logs, rpc
 from epd.breaker import Breaker
 from epd.v1 import epd_pb2_grpc
 
@@ -442,8 +442,8 @@ class Targets:
             try:
                 request = request_or_factory() if callable(request_or_factory) else request_or_factory
                 remaining = None if deadline is None else max(0.05, deadline - time.monotonic())
-                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining,
-                                                                       metadata=self.metadata)
+                reply = await getattr(self.stubs.get(address), method)(
+                    request, timeout=remaining, metadata=logs.with_request_id(self.metadata))  # the request's id
                 ok = True
                 return reply, address
             except grpc.aio.AioRpcError as error:

@@ -13,7 +13,9 @@ What may fail, and what happens (``docs/RELIABILITY.md``):
   same sampling state, another decode worker continues; the client sees no gap and no repeat;
 - the store: embeddings travel inline in the Encode reply and the Prefill request instead.
 Internal request ids are made here (unique per deployment, per attempt); a client's id is only
-echoed in the summary.
+echoed in the summary. The public id (``epd.logs.REQUEST_ID``: the client's, ``chatcmpl-...``, or a
+fresh one) travels in every call's metadata, the same on every attempt, so each role's log lines
+about the request name it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd import discovery, errors, rpc
+from epd import discovery, errors, logs, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -145,7 +147,7 @@ class RouterCore:
             yield _chunk([], tail, [])
         self._count(encoded=len(run.encoded), prefix_tokens=reply.cached_tokens)
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
-            request_id=request.request_id or run.request_id,
+            request_id=request.request_id or logs.REQUEST_ID.get() or run.request_id,  # the id the logs name
             prompt_tokens=len(prompt.token_ids),
             image_tokens=prompt.num_image_tokens,
             completion_tokens=len(text.token_ids),
@@ -323,7 +325,8 @@ class RouterCore:
         the same worker, once it has room) and go on exactly where the stream stopped."""
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
-                                                             timeout=run.remaining(), metadata=self.decode.metadata)
+                                                             timeout=run.remaining(),
+                                                             metadata=logs.with_request_id(self.decode.metadata))
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 preempted = False
@@ -392,7 +395,7 @@ class RouterCore:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
         first token), freeing its decode slot now instead of when its lease runs out."""
         call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10,
-                                                         metadata=self.decode.metadata)
+                                                         metadata=logs.with_request_id(self.decode.metadata))
         try:
             await call.read()  # the claim has reached decode once anything comes back
         except grpc.aio.AioRpcError:

@@ -318,7 +318,7 @@ class HttpFront:
             failure = http_error(error)
             if failure.status >= 500:
                 log.warning("http request %s: %s", request_id, failure.message)
-            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
+            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"), failure.message)
             return failure.response()
         return _ChatCall(self, proto, options, request_id)
 

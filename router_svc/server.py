@@ -35,7 +35,8 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self.num_cut = 0  # streams still running when a shutdown's drain ran out of time
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        logs.REQUEST_ID.set(request.request_id or uuid.uuid4().hex)  # every line logged for it names it
+        # Every line logged for it, on every role, names it (the client's id, escaped to printable ASCII).
+        logs.REQUEST_ID.set(logs.safe_id(request.request_id) or uuid.uuid4().hex)
         try:
             async for event in self.stats.track("grpc", self.core.generate(request, context.time_remaining())):
                 yield event
