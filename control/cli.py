@@ -169,6 +169,7 @@ def _setup_logging(args) -> None:
 
 
 def _add_generate_parser(command) -> None:
+    from epd import limits
     from epd.config import RouterConfig
 
     gen = command("generate", help="send one request to a running router and stream the answer")
@@ -184,26 +185,26 @@ def _add_generate_parser(command) -> None:
     gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None, metavar="N",
                      help=f"tokens to generate at most (default: the server's, {router.default_max_tokens} unless it "
                           f"was started with --default-max-tokens; at most {router.max_tokens_limit})")
-    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, metavar="X",
+    gen.add_argument("--temperature", type=_float_in(0, limits.MAX_TEMPERATURE), default=None, metavar="X",
                      help="sampling temperature; 0: greedy (default: 0)")
     gen.add_argument("--top-p", type=_float_in(0, 1), default=None, metavar="X",
                      help="nucleus sampling mass, (0, 1] (default: 1, off)")
-    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, metavar="N",
+    gen.add_argument("--top-k", type=_int_in(0, limits.MAX_TOP_K), default=None, metavar="N",
                      help="sample from the N most likely tokens; 0: off (default: 0)")
-    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, metavar="N",
+    gen.add_argument("--seed", type=_int_in(0, limits.MAX_SEED), default=None, metavar="N",
                      help="sampling seed (default: with --temperature > 0 the server picks one and reports it)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string, repeatable; the answer ends before it (default: none)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="keep generating past the end-of-sequence token (default: off)")
-    gen.add_argument("--logprobs", type=_int_in(0, 20), default=0, metavar="N",
+    gen.add_argument("--logprobs", type=_int_in(0, limits.MAX_LOGPROBS), default=0, metavar="N",
                      help="also return the N most likely tokens at each step with their log-probabilities, in the "
                           "--json line; 0: none (default: 0)")
     gen.add_argument("--enable-thinking", action="store_true",
                      help="render the chat template with thinking on (default: off)")
-    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None, metavar="N",
-                     help="lower the per-image pixel cap for this request (default: the model's, from its "
-                          "preprocessor_config.json)")
+    gen.add_argument("--max-pixels", type=_int_in(0, limits.MAX_PIXELS), default=None, metavar="N",
+                     help="lower the per-image pixel cap for this request; 0: the model's, as the server takes it "
+                          "(default: the model's, from its preprocessor_config.json)")
     gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, metavar="S",
                      help="seconds before giving up (default: no limit)")
     gen.add_argument("--json", action="store_true",

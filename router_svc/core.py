@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd import discovery, errors, logs, rpc
+from epd import discovery, errors, limits, logs, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -176,6 +176,7 @@ class RouterCore:
         if max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
         temperature = params.temperature if params.HasField("temperature") else 0.0
+        limits.check_temperature(temperature)  # the bound every front and epd generate share
         seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
         return SamplingConfig(
             max_tokens=max_tokens,

@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from epd import logs, rpc
-from epd.config import HttpConfig
+from epd import limits, logs, rpc
+from epd.config import HttpConfig, RouterConfig
 from epd.metrics import render
 from epd.v1 import epd_pb2
 from router_svc.core import RouterCore
@@ -45,7 +45,7 @@ from router_svc.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = limits.MAX_LOGPROBS
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -130,6 +130,8 @@ class HttpFront:
         self.healthy, self.stats = healthy, stats
         self.media = MediaLoader(config)
         self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
+        # max_tokens' bound is the deployment's (--max-tokens-limit), the one the gRPC front applies.
+        self.max_tokens_limit = core.config.max_tokens_limit if core is not None else RouterConfig().max_tokens_limit
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -239,7 +241,7 @@ class HttpFront:
                 template = _object(body, "chat_template_kwargs", {"enable_thinking"})
                 thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
                 mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
-                max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels") \
+                max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
                 messages = await self._messages(body.get("messages"))
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
@@ -412,17 +414,21 @@ class HttpFront:
         tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
         if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
             raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
-        if tokens:
-            sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
+        if tokens:  # the deployment's own limit (--max-tokens-limit), in the gRPC front's words
+            sampling.max_tokens = _max_tokens(body, tokens[0], self.max_tokens_limit)
         if "temperature" in body:
             sampling.temperature = _number(body, "temperature")
+            try:
+                limits.check_temperature(sampling.temperature)  # the bound (and words) of every front
+            except ValueError as error:
+                raise HttpError(400, str(error), param="temperature") from None
         if "top_p" in body:
             sampling.top_p = _number(body, "top_p")
         if "top_k" in body:
-            top_k = _integer(body, "top_k", -1, 2**31 - 1)
+            top_k = _integer(body, "top_k", -1, limits.MAX_TOP_K)
             sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
         if "seed" in body:
-            sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
+            sampling.seed = _integer(body, "seed", 0, limits.MAX_SEED)
         if "stop" in body:
             stop = body["stop"]
             stops = [stop] if isinstance(stop, str) else stop
@@ -436,7 +442,7 @@ class HttpFront:
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
         if "max_pixels" in mm:
-            request.max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels")
+            request.max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels")
         template = _object(body, "chat_template_kwargs", {"enable_thinking"})
         request.enable_thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
         if "user" in body and not isinstance(body["user"], str):
@@ -555,12 +561,31 @@ def _number(body: dict, name: str) -> float:
     return float(value)
 
 
+def _max_tokens(body: dict, name: str, limit: int) -> int:
+    """max_tokens (or max_completion_tokens) in [1, the deployment's limit], refused in the words
+    the request path uses (so a value past int32 reads as what it is: more than the limit)."""
+    value = body[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HttpError(400, f"{name} must be an integer in [1, {limit}]", param=name)
+    got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+    if value < 1:
+        raise HttpError(400, f"{name} must be at least 1, got {got}", param=name)
+    if value > limit:
+        raise HttpError(400, f"{name} must be at most {limit}, got {got}", param=name)
+    return value
+
+
 def _integer(body: dict, name: str, low: int, high: int, shown: str = "") -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}]", param=shown or name)
+    if not low <= value <= high:
+        got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+        raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}], got {got}", param=shown or name)
     return value
 
 

@@ -25,6 +25,7 @@ import ipaddress
 import os
 import socket
 import ssl
+import stat
 import urllib.parse
 
 import h11
@@ -69,6 +70,11 @@ class MediaLoader:
                              f"{self.config.media_fetch_timeout_s:g} s") from None
         except MediaError as error:
             raise MediaError(f"{where}: {error}") from None
+        except (OSError, ssl.SSLError, h11.ProtocolError, UnicodeError) as error:
+            # Whatever else reading the image ran into is still about the URL the client sent (a
+            # directory, a file that vanished, an I/O error, a peer that hung up): a 400 saying why.
+            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+            raise MediaError(f"{where}: cannot read the image at {_shown(url)}: {reason}") from None
         raise MediaError(f"{where}: image_url.url must be a data:, http(s):// or file:// URL")
 
     # ------------------------------------------------------------ http(s)
@@ -189,19 +195,26 @@ class MediaLoader:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as error:
             raise MediaError(f"cannot read {path}: {error.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
+        try:
             # What was opened, not what the name pointed to a moment ago (a symlink swapped in between).
             opened = os.path.realpath(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else path
             if not _inside(opened, self.local_root):
                 raise MediaError(f"{path} is outside the directory this server reads images from")
             info = os.fstat(fd)
-            import stat
-
+            if stat.S_ISDIR(info.st_mode):
+                raise MediaError(f"{path} is a directory, not an image file")
             if not stat.S_ISREG(info.st_mode):
                 raise MediaError(f"{path} is not a regular file")
             if info.st_size > self.max_bytes:
                 raise MediaError(f"{path} is {info.st_size} bytes, more than the {self.max_bytes} this server accepts")
-            return f.read(self.max_bytes + 1)
+            with os.fdopen(fd, "rb") as f:
+                fd = -1  # the file object owns it now
+                return f.read(self.max_bytes + 1)
+        except OSError as error:  # an I/O error while reading is the client's file's, not a 500
+            raise MediaError(f"cannot read {path}: {error.strerror or error}") from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def decode_data_url(url: str) -> bytes:

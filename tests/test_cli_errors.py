@@ -36,7 +36,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, prefix: str, *fragme
     ("--seed", "-1", "argument --seed: must be in [0, 18446744073709551615], got -1"),
     ("--max-tokens", "99999999999", "argument --max-tokens: must be in [1, 2147483647], got 99999999999"),
     ("--top-k", "99999999999", "argument --top-k: must be in [0, 2147483647], got 99999999999"),
-    ("--max-pixels", "-5", "argument --max-pixels: must be in [1,"),
+    ("--max-pixels", "-5", "argument --max-pixels: must be in [0,"),  # 0: the model's, as the server says
     ("--temperature", "nan", "argument --temperature: must be in [0, 1e+06], got nan"),
     ("--top-p", "2", "argument --top-p: must be in [0, 1], got 2"),
     ("--max-tokens", "ten", "argument --max-tokens: expected an integer, got 'ten'"),

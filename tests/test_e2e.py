@@ -188,6 +188,8 @@ BAD_REQUESTS = [
     pytest.param(dict(prompt="token " * 20000), "longer than the context window", id="prompt-too-long"),
     pytest.param(dict(temperature=-1.0), "temperature must be", id="negative-temperature"),
     pytest.param(dict(temperature=float("nan")), "temperature must be", id="nan-temperature"),
+    # The bound every front and epd generate share (epd.limits), in the same words.
+    pytest.param(dict(temperature=1e9), "temperature must be in [0, 1e+06], got 1e+09", id="huge-temperature"),
     pytest.param(dict(top_p=1.5), "top_p must be in (0, 1]", id="top-p-above-one"),
     pytest.param(dict(top_k=-3), "top_k must be >= 0", id="negative-top-k"),
     pytest.param(dict(logprobs=99), "logprobs must be in [0, 20]", id="too-many-logprobs"),

@@ -64,6 +64,13 @@ def test_fields_map_onto_the_request():
     ({"messages": user(), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be an integer in [0, 20]"),
     ({"messages": user(), "max_tokens": 5, "max_completion_tokens": 6}, 400, "differ"),
     ({"messages": user(), "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    # The deployment's real bounds in the request path's words, not int32's range.
+    ({"messages": user(), "max_tokens": 10**12}, 400, "max_tokens must be at most 4096, got 1000000000000"),
+    ({"messages": user(), "max_completion_tokens": 4097}, 400, "max_completion_tokens must be at most 4096, got 4097"),
+    ({"messages": user(), "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0"),
+    ({"messages": user(), "max_tokens": -2**40}, 400, "max_tokens must be at least 1, got -1099511627776"),
+    ({"messages": user(), "temperature": 1e9}, 400, "temperature must be in [0, 1e+06], got 1e+09"),
+    ({"messages": user(), "temperature": -1}, 400, "temperature must be in [0, 1e+06], got -1"),
     ({"messages": user(), "temperature": "hot"}, 400, "temperature must be a finite number"),
     ({"messages": user(), "seed": -1}, 400, "seed must be an integer"),
     ({"messages": user(), "stop": [""]}, 400, "stop must be"),
@@ -164,3 +171,22 @@ def test_a_json_body_is_read(content_type):
     # Past the Content-Type check, the body's own fault is what is reported.
     status, reply = post(front, "/v1/chat/completions", b'{"messages": []}', content_type)
     assert (status, reply["error"]["message"]) == (400, "messages must be a non-empty list")
+
+
+def test_one_source_for_the_sampling_bounds_of_every_front_and_the_cli():
+    """epd.limits is what the HTTP front, the request path and `epd generate` all check against."""
+    from control import cli
+    from epd import limits, sampling
+
+    assert limits.MAX_LOGPROBS == sampling.MAX_LOGPROBS
+    request, _ = build({"messages": user(), "temperature": limits.MAX_TEMPERATURE})
+    assert request.sampling.temperature == pytest.approx(limits.MAX_TEMPERATURE)
+    with pytest.raises(HttpError, match=r"temperature must be in \[0, 1e\+06\]"):
+        build({"messages": user(), "temperature": limits.MAX_TEMPERATURE * 1.5})
+    parser = cli._parser()
+    args = parser.parse_args(["generate", "--addr", "h:1", "--prompt", "x", "--temperature",
+                              str(limits.MAX_TEMPERATURE), "--max-pixels", "0"])
+    assert args.temperature == limits.MAX_TEMPERATURE and args.max_pixels == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--addr", "h:1", "--prompt", "x", "--temperature",
+                           str(limits.MAX_TEMPERATURE * 1.5)])
