@@ -279,9 +279,22 @@ class HttpConfig:
     """Largest image an http(s) URL or a local file may bring, in MiB."""
     media_max_redirects: int = 3
     """Redirects followed per image URL (each hop is checked like the first)."""
+    body_timeout_s: float = 30.0
+    """Seconds a client may take to send a request body; slower: 408 and the connection is closed."""
+    max_open_requests: int = 0
+    """HTTP requests one router's front carries at once (reading, waiting, streaming); more are
+    answered 429 with Retry-After at once. 0: 4 x --max-queued-requests + 256 when that is set, else 4096."""
+
+    def open_requests_limit(self, max_queued_requests: int) -> int:
+        """``max_open_requests``, or the default derived from the router's queue bound."""
+        if self.max_open_requests:
+            return self.max_open_requests
+        return 4 * max_queued_requests + 256 if max_queued_requests else 4096
 
     def __post_init__(self) -> None:
         _check(self.port is None or 0 <= self.port <= 65535, "http.port", f"must be in [0, 65535], got {self.port}")
+        _check_range(self.body_timeout_s, 0.1, 3600, "http.body_timeout_s")
+        _check_range(self.max_open_requests, 0, 1 << 20, "http.max_open_requests")
         _check(self.served_model_name == "" or (self.served_model_name.isprintable() and
                                                 len(self.served_model_name) <= 256),
                "http.served_model_name", "must be printable and at most 256 characters")

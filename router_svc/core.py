@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -80,10 +80,13 @@ class RouterCore:
 
     # ---------------------------------------------------------------- the request path
 
-    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None,
+                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """The request's stream of chunks, then its summary. Refused at once (nothing is queued)
         while the router shuts down, or when ``max_queued_requests`` requests already wait for
-        their first token. A client that leaves cancels the work wherever it is."""
+        their first token. A client that leaves cancels the work wherever it is. ``on_accepted``
+        is called once the request has passed every check (before encode and prefill): the HTTP
+        front starts a stream's response then, not at the first token."""
         if self.refusing:
             raise errors.Unavailable("router: shutting down; send the request to another router")
         limit = self.config.max_queued_requests
@@ -96,7 +99,7 @@ class RouterCore:
         self.waiting += 1
         run = _Run(client_id=request.request_id)
         try:
-            async for event in self._generate(request, timeout_s, run):
+            async for event in self._generate(request, timeout_s, run, on_accepted):
                 if run.stage != "decode":
                     run.stage = "decode"  # the first chunk: streaming, no longer waiting
                     self.waiting -= 1
@@ -111,7 +114,8 @@ class RouterCore:
                 self.waiting -= 1
             self.active.discard(task)
 
-    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run):
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run,
+                        on_accepted: Callable[[], None] | None = None):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
         max_pixels = request.max_pixels if request.HasField("max_pixels") else None
@@ -120,6 +124,8 @@ class RouterCore:
                                                          request.enable_thinking)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
+        if on_accepted is not None:
+            on_accepted()
 
         run.stage = "encode"
         inline = await self._ensure_embeddings(run, force=False)

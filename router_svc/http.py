@@ -46,6 +46,8 @@ from router_svc.stats import RequestStats
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS
+OFF_LOOP_BYTES = 256 * 1024
+"""A JSON body or data: URL at least this large is parsed on the loop's executor, not on the loop."""
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -78,6 +80,7 @@ HTTP_STATUS = {
 
 # The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                408: "DEADLINE_EXCEEDED",
                 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
                 504: "DEADLINE_EXCEEDED"}
 
@@ -122,7 +125,8 @@ class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
                  metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "",
-                 max_request_mb: int = 64) -> None:
+                 max_request_mb: int = 64, max_images: int | None = None, max_open_requests: int = 4096,
+                 max_tokens_limit: int | None = None) -> None:
         self.core, self.config, self.model_name = core, config, model_name
         self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
         self.read_metrics = metrics
@@ -131,9 +135,13 @@ class HttpFront:
         self.media = MediaLoader(config)
         self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
         # max_tokens' bound is the deployment's (--max-tokens-limit), the one the gRPC front applies.
-        self.max_tokens_limit = core.config.max_tokens_limit if core is not None else RouterConfig().max_tokens_limit
+        self.max_tokens_limit = max_tokens_limit if max_tokens_limit is not None else RouterConfig().max_tokens_limit
         self.created = int(time.time())
-        self.app = Starlette(routes=[
+        # Counted before any image URL is fetched: the request path would refuse more anyway.
+        self.max_images = max_images if max_images is not None else RouterConfig().max_images_per_request
+        self.max_open_requests = max_open_requests
+        self.open_requests = 0
+        self.starlette = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -146,6 +154,26 @@ class HttpFront:
         self.server = None
         self._task: asyncio.Task | None = None
         self.port = 0
+
+    async def app(self, scope, receive, send) -> None:
+        """The ASGI app uvicorn serves: Starlette's routes behind the open-request cap. Past
+        ``max_open_requests`` a request is answered 429 with Retry-After before anything of it is
+        read (counted in epd_requests_total{front="http",status="RESOURCE_EXHAUSTED"}, as the
+        router's own admission refusals are); /health and /metrics always pass, so a full front
+        still says how it is."""
+        if scope["type"] != "http" or scope.get("path") in ("/health", "/metrics"):
+            return await self.starlette(scope, receive, send)
+        if self.open_requests >= self.max_open_requests:
+            self.stats.refused("http", "RESOURCE_EXHAUSTED", f"{self.open_requests} HTTP requests open")
+            error = HttpError(429, f"router: {self.open_requests} HTTP requests are open (limit "
+                              f"{self.max_open_requests}, --http-max-open-requests); retry in a few seconds or on "
+                              "another router", "rate_limit_error", code="resource_exhausted")
+            return await _send_json(send, 429, error.body(), {"retry-after": "1", "connection": "close"})
+        self.open_requests += 1
+        try:
+            await self.starlette(scope, receive, send)
+        finally:
+            self.open_requests -= 1
 
     # ------------------------------------------------------------ lifecycle (on the router's loop)
 
@@ -165,8 +193,11 @@ class HttpFront:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+        # uvicorn's own connection cap stands behind the open-request cap (idle keep-alive
+        # connections count there too): past it uvicorn answers 503 itself.
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024, **tls)
+                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                                limit_concurrency=2 * self.max_open_requests + 64, interface="asgi3", **tls)
         self.server = uvicorn.Server(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -354,19 +385,27 @@ class HttpFront:
         length = request.headers.get("content-length", "")
         chunks, size = [], 0
         too_large = length.isdigit() and int(length) > self.max_body
-        async for chunk in request.stream():
-            size += len(chunk)
-            too_large = too_large or size > self.max_body
-            if size > 4 * self.max_body:
-                break
-            if not too_large:
-                chunks.append(chunk)
-            # Past the cap the rest is read and dropped (up to a bound) before answering: most clients send
-            # the whole body before they read a reply, and would see a reset connection instead of the 413.
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):  # a client that trickles its body
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    too_large = too_large or size > self.max_body
+                    if size > 4 * self.max_body:
+                        break
+                    if not too_large:
+                        chunks.append(chunk)
+                    # Past the cap the rest is read and dropped (up to a bound) before answering: most clients
+                    # send the whole body before they read a reply, and would see a reset connection, not the 413.
+        except TimeoutError:
+            raise HttpError(408, f"the request body took longer than {self.config.body_timeout_s:g} s to arrive "
+                            "(--http-body-timeout-s)", code="request_timeout") from None
         if too_large:
             raise self._too_large()
+        data = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            # A large body is parsed on the executor: the loop keeps serving every other request meanwhile.
+            body = json.loads(data) if len(data) < OFF_LOOP_BYTES else \
+                await asyncio.get_running_loop().run_in_executor(None, json.loads, data)
         except (ValueError, UnicodeDecodeError) as error:
             raise HttpError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
@@ -482,6 +521,9 @@ class HttpFront:
                                     f'"image_url": {{"url": URL}}}}; got type {kind!r}', param="messages",
                                     code="unsupported_parameter" if kind else None)
             out.append(chat)
+        if len(loads) > self.max_images:  # before any URL is fetched or any data: URL decoded
+            raise HttpError(400, f"request has {len(loads)} images; at most {self.max_images} images per request "
+                            "are allowed (router.max_images_per_request)", param="messages")
         if loads:
             results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
                                            return_exceptions=True)
@@ -613,6 +655,7 @@ class _ChatCall:
     async def __call__(self, scope, receive, send) -> None:
         logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
         self.started = False  # the status line has gone out
+        self.streaming = False  # ... and it was a stream's (200, text/event-stream)
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -638,22 +681,52 @@ class _ChatCall:
 
     async def _produce(self, send) -> None:
         front = self.front
-        events = front.stats.track("http", front.core.generate(self.request, None))
+        accepted = asyncio.Event()
+        events = front.stats.track("http", front.core.generate(self.request, None, on_accepted=accepted.set))
+        headers = None
+        if self.options.stream:
+            # A stream's status line and headers go out as soon as the request has passed every
+            # check, not at its first token (seconds later under load): a refusal still gets its
+            # own status, a failure after that is an error event in the stream.
+            async def flush_headers() -> None:
+                await accepted.wait()
+                await self._start_stream(send)
+
+            headers = asyncio.ensure_future(flush_headers())
         try:
             try:
                 first = await anext(events)
             except StopAsyncIteration:
                 first = None
             except Exception as error:  # noqa: BLE001 - a refusal before anything was sent: its own status
+                await self._settle(headers, accepted)
+                if self.streaming:
+                    _, body, _ = self._error(error)
+                    await send({"type": "http.response.body", "body": _sse(body) + b"data: [DONE]\n\n",
+                                "more_body": False})
+                    return
                 self.started = True
                 await _send_json(send, *self._error(error))
                 return
+            await self._settle(headers, accepted)
             if self.options.stream:
                 await self._stream(send, first, events)
             else:
                 await self._whole(send, first, events)
         finally:
+            if headers is not None and not headers.done():
+                headers.cancel()
             await events.aclose()
+
+    @staticmethod
+    async def _settle(headers: asyncio.Future | None, accepted: asyncio.Event) -> None:
+        """Wait for the headers being sent, or call them off if the request never was accepted."""
+        if headers is None:
+            return
+        if not accepted.is_set():
+            headers.cancel()  # still waiting on the event: nothing was sent (no await since the check)
+        with contextlib.suppress(asyncio.CancelledError):
+            await headers
 
     def _error(self, error: BaseException) -> tuple[int, dict, dict]:
         failure = http_error(error)
@@ -689,11 +762,24 @@ class _ChatCall:
         self.started = True
         await _send_json(send, 200, body, {"x-request-id": self.id})
 
-    async def _stream(self, send, first, events) -> None:
-        self.started = True
+    def _chunk(self, choices: list, **extra) -> bytes:
+        usage = {"usage": None} if self.options.include_usage else {}
+        return _sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage,
+                     **extra})
+
+    async def _start_stream(self, send) -> None:
+        """The stream's status line, headers and first chunk (the assistant's role), flushed now."""
+        self.started = self.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-request-id", self.id.encode())]})
+            (b"x-accel-buffering", b"no"), (b"x-request-id", self.id.encode())]})
+        await send({"type": "http.response.body", "more_body": True, "body": self._chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])})
+
+    async def _stream(self, send, first, events) -> None:
+        if not self.streaming:
+            await self._start_stream(send)
         usage = {"usage": None} if self.options.include_usage else {}
 
         async def emit(choices: list, **extra) -> None:
@@ -701,8 +787,6 @@ class _ChatCall:
                      "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
             await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
 
-        await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}])
         summary = None
         try:
             event = first

@@ -39,6 +39,8 @@ class MediaError(ValueError):
 
 
 USER_AGENT = "epd-media-fetch/1"
+DATA_OFF_LOOP_CHARS = 256 * 1024
+"""A data: URL at least this long is decoded on the loop's executor (base64 of megabytes takes ms)."""
 
 
 class MediaLoader:
@@ -56,7 +58,9 @@ class MediaLoader:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         try:
             if scheme == "data":
-                return decode_data_url(url)
+                if len(url) < DATA_OFF_LOOP_CHARS:
+                    return decode_data_url(url)
+                return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url)  # off the loop
             if scheme in ("http", "https"):
                 if not self.config.allow_media_urls:
                     raise MediaError("image URLs are not fetched by this server (it was started without "

@@ -91,7 +91,9 @@ class RouterServer(rpc.RoleServer):
 
             self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
                 serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics,
-                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb)
+                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb,
+                max_images=config.max_images_per_request, max_tokens_limit=config.max_tokens_limit,
+                max_open_requests=serve.http.open_requests_limit(config.max_queued_requests))
             self.events.run(self.http.start(self.host, serve.http.port))
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())
