@@ -176,6 +176,9 @@ def _add_generate_parser(command) -> None:
     gen.add_argument("--addr", required=True, type=_address, help="router HOST:PORT")
     what = gen.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", metavar="TEXT", help="one user turn (with --image files)")
+    what.add_argument("--prompt-file", metavar="FILE",
+                      help="the user turn read from FILE (UTF-8; - for stdin), for prompts too long for a command "
+                           "line (with --image files)")
     what.add_argument("--messages", metavar="FILE.json",
                       help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
                            '{"type": "image", "image"|"path": PATH}, {"type": "image_url", "image_url": {"url": '
@@ -825,7 +828,10 @@ def _cmd_generate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         logprobs=args.logprobs, enable_thinking=args.enable_thinking,
     )
-    on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
+    # On a terminal the answer's control characters are shown escaped, not obeyed; a pipe or a file
+    # gets the text as it is (the --json line always carries it exactly).
+    shown = _shown_on(sys.stdout)
+    on_text = lambda text: print(shown(text), end="", flush=True)  # noqa: E731
     try:
         tls_ca = client.read_ca(args.tls_ca)
     except ValueError as error:
@@ -848,6 +854,7 @@ def _generate_messages(args) -> list:
     from epd import client
 
     if args.messages is None:
+        prompt = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
         images = []
         for path in args.image:
             try:
@@ -855,7 +862,7 @@ def _generate_messages(args) -> list:
                     images.append(f.read())
             except OSError as error:
                 raise ValueError(f"cannot read image {path}: {error.strerror}") from None
-        return list(client.user_request(args.prompt, images).messages)
+        return list(client.user_request(prompt, images).messages)
     if args.image:
         raise ValueError("--image goes with --prompt; put a conversation's images in its --messages file")
     try:
@@ -866,6 +873,47 @@ def _generate_messages(args) -> list:
     except json.JSONDecodeError as error:
         raise ValueError(f"{args.messages} is not valid JSON: {error}") from None
     return client.messages_from_json(data, os.path.dirname(os.path.abspath(args.messages)))
+
+
+def _read_prompt(path: str) -> str:
+    """``--prompt-file``: the file's text (``-``: stdin), UTF-8; ValueError in one line otherwise."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except OSError as error:
+        raise ValueError(f"--prompt-file: cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompt-file: {path} is not UTF-8 text (byte {error.start})") from None
+
+
+def _shown_on(stream):
+    """How the answer's text is written to ``stream``: escaped on a terminal, as it is elsewhere."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return terminal_text if tty else (lambda text: text)
+
+
+_BIDI = {0x200E, 0x200F, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069}
+
+
+def terminal_text(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (ESC and the rest of C0/C1, DEL)
+    and bidirectional overrides written as escapes (``\x1b``, ``\u202e``), so a model's answer
+    cannot move the cursor, recolour, retitle or reorder the terminal; newlines and tabs stay."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in "\n\t" or not (code < 0x20 or 0x7F <= code < 0xA0 or code in _BIDI):
+            out.append(char)
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out)
 
 
 if __name__ == "__main__":

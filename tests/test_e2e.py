@@ -227,6 +227,28 @@ def test_cli_generate_json(addr, tmp_path, oracle):
     assert result["image_tokens"] == 196
 
 
+def test_cli_generate_prompt_file_carries_what_a_command_line_cannot(addr, tmp_path, oracle):
+    """--prompt-file: the same answer as --prompt; a 5 MB prompt (past what argv takes) reaches the
+    router, which refuses it for the context window in one line; - reads stdin."""
+    prompt = "What is in this picture?"
+    (tmp_path / "prompt.txt").write_text(prompt)
+    (tmp_path / "square.png").write_bytes(SQUARE)
+    base = [sys.executable, "-m", "control.cli", "generate", "--addr", addr, "--image", str(tmp_path / "square.png"),
+            "--max-tokens", "8", "--json"]
+    out = subprocess.run([*base, "--prompt-file", str(tmp_path / "prompt.txt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["token_ids"] == oracle.generate(
+        prompt, [SQUARE], max_new_tokens=8)[0]
+    out = subprocess.run([*base, "--prompt-file", "-"], input=prompt, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["text"], out.stderr
+    (tmp_path / "huge.txt").write_text("word " * 1_000_000)  # 5 MB
+    out = subprocess.run([*base, "--prompt-file", str(tmp_path / "huge.txt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("INVALID_ARGUMENT: "), out.stderr
+    assert "context window" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_cli_generate_failure_names_the_status(addr, tmp_path):
     path = tmp_path / "broken.png"
     path.write_bytes(b"definitely not a png")
