@@ -78,6 +78,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
     _flag("--prefill-batch-tokens", "serve.prefill.batch_tokens"),
     _flag("--prefill-max-wait-s", "serve.prefill.max_wait_s"),
+    _flag("--prefill-max-held-mb", "serve.prefill.max_held_mb"),
     _flag("--max-batch-size", "serve.decode.max_batch_size"),
     _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
     _flag("--kv-cache-bytes", "serve.decode.kv_cache_bytes"),
@@ -89,6 +90,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--encoder-max-queued", "serve.encode.max_queued_per_replica"),
     _flag("--encoder-cpus", "serve.encode.cpus", metavar="LIST"),
     _flag("--prefill-cpus", "serve.prefill.cpus", metavar="LIST"),
     _flag("--decode-cpus", "serve.decode.cpus", metavar="LIST"),
@@ -99,6 +101,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),
+    _flag("--replica-wait-s", "serve.replica_wait_s"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )
@@ -114,7 +117,8 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--http-body-timeout-s", "serve.http.body_timeout_s"),
     _flag("--http-max-open-requests", "serve.http.max_open_requests"),
 )
-SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK, *SECURITY, *HTTP)
+SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
+         _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),

@@ -30,11 +30,31 @@ class ReplicaPool:
     breakers, draining) is the ``Balancer``'s; this adds the single flight per key and the retry
     on another replica."""
 
-    def __init__(self) -> None:
+    WAIT_POLL_S = 0.2
+
+    def __init__(self, max_queued_per_replica: int = 0, wait_s: float = 0.0) -> None:
         self.balancer = discovery.Balancer("encoder")
+        self.max_queued_per_replica = max_queued_per_replica
+        self.wait_s = wait_s  # how long an image waits for a replica when none is left (a restart)
         self._in_flight: dict[str, _Flight] = {}
         self.num_retried = 0
         self.num_cancelled = 0
+        self.num_refused = 0
+
+    def admit(self, keys: list[str]) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a request whose new images would take the images in flight
+        past ``max_queued_per_replica`` for each replica taking work; one already being encoded
+        joins its flight and costs nothing, and a request is never refused while nothing is in
+        flight (so one with more images than the limit still runs, alone)."""
+        if not self.max_queued_per_replica:
+            return
+        new = len({key for key in keys if key not in self._in_flight})
+        limit = self.max_queued_per_replica * max(1, self.balancer.num_available())
+        if new and self._in_flight and len(self._in_flight) + new > limit:
+            self.num_refused += 1
+            raise errors.ResourceExhausted(f"encode: {len(self._in_flight)} images are already queued or encoding "
+                                           f"(limit {limit}: encode.max_queued_per_replica for each replica); "
+                                           "retry shortly")
 
     async def encode(self, item: epd_pb2.EncodeItem) -> EncodeResult:
         """Encode one image, or wait for the encode of the same key already in flight. The encode
@@ -61,9 +81,17 @@ class ReplicaPool:
             flight.task.exception()  # retrieved: every waiter may have left
 
     async def _encode_somewhere(self, item: epd_pb2.EncodeItem) -> EncodeResult:
-        tried: set[str] = set()
+        tried: dict[str, str] = {}  # name -> the incarnation that failed this image
+        give_up = asyncio.get_running_loop().time() + self.wait_s
         while True:
-            name, endpoint = self.balancer.pick(exclude=tried)
+            try:
+                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
+            except errors.Unavailable:  # none left: wait for a restarted one (the caller's deadline bounds it)
+                left = give_up - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(self.WAIT_POLL_S, left))
+                continue
             ok = None
             try:
                 if self.balancer.suspect(name) and not await _answers(endpoint.handle):
@@ -78,7 +106,7 @@ class ReplicaPool:
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
                 ok = False
-                tried.add(name)
+                tried[name] = endpoint.incarnation
                 self.num_retried += 1
                 log.warning("encoder %s failed (%s); encoding %s on another replica", name, type(error).__name__,
                             item.store_key[-12:])
@@ -117,6 +145,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
 
     @rpc.unary_errors
     async def Encode(self, request: epd_pb2.EncodeRequest, context) -> epd_pb2.EncodeResponse:
+        self.pool.admit([item.store_key for item in request.items])
         # Every image is submitted before any is awaited: they encode in parallel.
         results = await asyncio.gather(*(self.pool.encode(item) for item in request.items))
         return epd_pb2.EncodeResponse(images=[_to_proto(r) for r in results])
@@ -140,7 +169,7 @@ class EncodeServer(rpc.RoleServer):
     SERVING while at least one replica takes work."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
-        self.pool = ReplicaPool()
+        self.pool = ReplicaPool(serve.encode.max_queued_per_replica, serve.replica_wait_s)
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
                                               context.poll_s, self.pool.balancer.outstanding)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
