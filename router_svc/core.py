@@ -346,7 +346,7 @@ class RouterCore:
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
                                                              timeout=run.remaining(),
-                                                             metadata=logs.with_request_id(self.decode.metadata))
+                                                             metadata=self.decode.metadata)
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 preempted = False
@@ -415,7 +415,7 @@ class RouterCore:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
         first token), freeing its decode slot now instead of when its lease runs out."""
         call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10,
-                                                         metadata=logs.with_request_id(self.decode.metadata))
+                                                         metadata=self.decode.metadata)
         try:
             await call.read()  # the claim has reached decode once anything comes back
         except grpc.aio.AioRpcError:

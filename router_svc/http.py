@@ -460,7 +460,7 @@ class HttpFront:
             try:
                 limits.check_temperature(sampling.temperature)  # the bound (and words) of every front
             except ValueError as error:
-                raise HttpError(400, str(error), param="temperature") from None
+                raise HttpError(400, str(error), param="temperature", code="invalid_argument") from None
         if "top_p" in body:
             sampling.top_p = _number(body, "top_p")
         if "top_k" in body:
@@ -613,9 +613,9 @@ def _max_tokens(body: dict, name: str, limit: int) -> int:
         raise HttpError(400, f"{name} must be an integer in [1, {limit}]", param=name)
     got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
     if value < 1:
-        raise HttpError(400, f"{name} must be at least 1, got {got}", param=name)
+        raise HttpError(400, f"{name} must be at least 1, got {got}", param=name, code="invalid_argument")
     if value > limit:
-        raise HttpError(400, f"{name} must be at most {limit}, got {got}", param=name)
+        raise HttpError(400, f"{name} must be at most {limit}, got {got}", param=name, code="invalid_argument")
     return value
 
 
