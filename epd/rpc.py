@@ -247,9 +247,9 @@ class RequestContext(grpc.aio.ServerInterceptor):
         else:
             code = context.code() if hasattr(context, "code") else None
             status = "OK" if code in (None, grpc.StatusCode.OK, 0) else getattr(code, "name", str(code))
-        log.debug("%s %s in %.3f s", name, status, time.perf_counter() - started,
-                  extra={logs.FIELDS: {"method": name, "status": status,
-                                       "duration_s": round(time.perf_counter() - started, 6)}})
+        took = time.perf_counter() - started
+        log.debug("%s %s in %.3f s", name, status, took,
+                  extra={logs.FIELDS: {"method": name, "status": status, "duration_s": round(took, 6)}})
 
     def _wrap_unary(self, behaviour: Callable, request_id: str, name: str) -> Callable:
         async def wrapped(request, context):
