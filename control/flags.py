@@ -87,6 +87,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--decode-max-waiting-tokens", "serve.decode.max_waiting_tokens"),
     _flag("--decode-max-waiting-requests", "serve.decode.max_waiting_requests"),
     _flag("--preemption", "serve.decode.preemption"),
+    _flag("--stream-group-s", "serve.decode.stream_group_s"),
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),

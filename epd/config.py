@@ -205,12 +205,19 @@ class DecodeConfig(LMConfig):
     swap (its state is copied to host memory and comes back bit for bit, while swap_space_bytes has
     room; replay past it) or replay (the router resumes it by a prefill of the prompt and its answer)."""
     swap_space_bytes: int = 0
-    """Host memory swapped-out requests may take in all; 0: as much as the K/V pool."""
+    """Host memory swapped-out requests may take in all; 0: half the K/V pool's bytes (on a CPU the roles
+    share host RAM: pool, swap space, waiting handoffs and prefill's budget stay below what is available)."""
+    stream_group_s: float = 0.02
+    """How long a token stream waits after a token to send the ones that follow in the same message
+    (fewer, larger messages; tokens then arrive in bursts, so inter-token latency shows the wait
+    while time per output token does not). A CPU step takes far longer than this; on a GPU lower it;
+    0: no wait (tokens already waiting still go together)."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_range(self.stream_group_s, 0, 1, "decode.stream_group_s")
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
         _check_range(self.kv_cache_bytes, 0, 1 << 50, "decode.kv_cache_bytes")
