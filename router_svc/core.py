@@ -13,7 +13,9 @@ What may fail, and what happens (``docs/RELIABILITY.md``):
   same sampling state, another decode worker continues; the client sees no gap and no repeat;
 - the store: embeddings travel inline in the Encode reply and the Prefill request instead.
 Internal request ids are made here (unique per deployment, per attempt); a client's id is only
-echoed in the summary.
+echoed in the summary. The public id (``epd.logs.REQUEST_ID``: the client's, ``chatcmpl-...``, or a
+fresh one) travels in every call's metadata, the same on every attempt, so each role's log lines
+about the request name it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from epd import discovery, errors, rpc
+from epd import discovery, errors, limits, logs, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -90,10 +92,13 @@ class RouterCore:
 
     # ---------------------------------------------------------------- the request path
 
-    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None,
+                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """The request's stream of chunks, then its summary. Refused at once (nothing is queued)
         while the router shuts down, or when ``max_queued_requests`` requests already wait for
-        their first token. A client that leaves cancels the work wherever it is."""
+        their first token. A client that leaves cancels the work wherever it is. ``on_accepted``
+        is called once the request has passed every check (before encode and prefill): the HTTP
+        front starts a stream's response then, not at the first token."""
         if self.refusing:
             raise errors.Unavailable("router: shutting down; send the request to another router")
         limit = self.queue_limit()
@@ -107,7 +112,7 @@ class RouterCore:
         self.waiting += 1
         run = _Run(client_id=request.request_id)
         try:
-            async for event in self._generate(request, timeout_s, run):
+            async for event in self._generate(request, timeout_s, run, on_accepted):
                 if run.stage != "decode":
                     run.stage = "decode"  # the first chunk: streaming, no longer waiting
                     self.waiting -= 1
@@ -122,7 +127,8 @@ class RouterCore:
                 self.waiting -= 1
             self.active.discard(task)
 
-    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run):
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run,
+                        on_accepted: Callable[[], None] | None = None):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
@@ -140,6 +146,8 @@ class RouterCore:
                                                              request.enable_thinking)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
+        if on_accepted is not None:
+            on_accepted()
 
         run.stage = "encode"
         inline = await self._ensure_embeddings(run, force=False)
@@ -177,7 +185,7 @@ class RouterCore:
             stop_reason = {"stop_token_id": text.stop_token}
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
             **stop_reason,
-            request_id=request.request_id or run.request_id,
+            request_id=request.request_id or logs.REQUEST_ID.get() or run.request_id,  # the id the logs name
             prompt_tokens=len(prompt.token_ids),
             image_tokens=prompt.num_image_tokens,
             completion_tokens=len(text.token_ids),
@@ -206,6 +214,7 @@ class RouterCore:
         if max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
         temperature = params.temperature if params.HasField("temperature") else 0.0
+        limits.check_temperature(temperature)  # the bound every front and epd generate share
         seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
         if len(params.logit_bias) > MAX_TOKEN_LIST or len(params.stop_token_ids) > MAX_TOKEN_LIST:
             # before the lists are copied and sorted
@@ -370,7 +379,8 @@ class RouterCore:
         the same worker, once it has room) and go on exactly where the stream stopped."""
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
-                                                             timeout=run.remaining(), metadata=self.decode.metadata)
+                                                             timeout=run.remaining(),
+                                                             metadata=self.decode.metadata)
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 preempted = False

@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from epd import logs, rpc
-from epd.config import HttpConfig
+from epd import limits, logs, rpc
+from epd.config import HttpConfig, RouterConfig
 from epd.metrics import render
 from epd.v1 import epd_pb2
 from router_svc.core import RouterCore
@@ -45,8 +45,10 @@ from router_svc.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_CHOICES = 16  # n: each choice is a request of its own
+OFF_LOOP_BYTES = 256 * 1024
+"""A JSON body or data: URL at least this large is parsed on the loop's executor, not on the loop."""
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -84,6 +86,7 @@ HTTP_STATUS = {
 
 # The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                408: "DEADLINE_EXCEEDED",
                 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
                 504: "DEADLINE_EXCEEDED"}
 
@@ -144,7 +147,8 @@ class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
                  metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "",
-                 max_request_mb: int = 64) -> None:
+                 max_request_mb: int = 64, max_images: int | None = None, max_open_requests: int = 4096,
+                 max_tokens_limit: int | None = None) -> None:
         self.core, self.config, self.model_name = core, config, model_name
         self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
         self.read_metrics = metrics
@@ -152,8 +156,14 @@ class HttpFront:
         self.healthy, self.stats = healthy, stats
         self.media = MediaLoader(config)
         self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
+        # max_tokens' bound is the deployment's (--max-tokens-limit), the one the gRPC front applies.
+        self.max_tokens_limit = max_tokens_limit if max_tokens_limit is not None else RouterConfig().max_tokens_limit
         self.created = int(time.time())
-        self.app = Starlette(routes=[
+        # Counted before any image URL is fetched: the request path would refuse more anyway.
+        self.max_images = max_images if max_images is not None else RouterConfig().max_images_per_request
+        self.max_open_requests = max_open_requests
+        self.open_requests = 0
+        self.starlette = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -167,6 +177,26 @@ class HttpFront:
         self.server = None
         self._task: asyncio.Task | None = None
         self.port = 0
+
+    async def app(self, scope, receive, send) -> None:
+        """The ASGI app uvicorn serves: Starlette's routes behind the open-request cap. Past
+        ``max_open_requests`` a request is answered 429 with Retry-After before anything of it is
+        read (counted in epd_requests_total{front="http",status="RESOURCE_EXHAUSTED"}, as the
+        router's own admission refusals are); /health and /metrics always pass, so a full front
+        still says how it is."""
+        if scope["type"] != "http" or scope.get("path") in ("/health", "/metrics"):
+            return await self.starlette(scope, receive, send)
+        if self.open_requests >= self.max_open_requests:
+            self.stats.refused("http", "RESOURCE_EXHAUSTED", f"{self.open_requests} HTTP requests open")
+            error = HttpError(429, f"router: {self.open_requests} HTTP requests are open (limit "
+                              f"{self.max_open_requests}, --http-max-open-requests); retry in a few seconds or on "
+                              "another router", "rate_limit_error", code="resource_exhausted")
+            return await _send_json(send, 429, error.body(), {"retry-after": "1", "connection": "close"})
+        self.open_requests += 1
+        try:
+            await self.starlette(scope, receive, send)
+        finally:
+            self.open_requests -= 1
 
     # ------------------------------------------------------------ lifecycle (on the router's loop)
 
@@ -186,8 +216,11 @@ class HttpFront:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+        # uvicorn's own connection cap stands behind the open-request cap (idle keep-alive
+        # connections count there too): past it uvicorn answers 503 itself.
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024, **tls)
+                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                                limit_concurrency=2 * self.max_open_requests + 64, interface="asgi3", **tls)
         self.server = uvicorn.Server(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -262,7 +295,7 @@ class HttpFront:
                 template = _object(body, "chat_template_kwargs", {"enable_thinking"})
                 thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
                 mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
-                max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels") \
+                max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
                 messages = await self._messages(body.get("messages"))
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
@@ -347,7 +380,7 @@ class HttpFront:
             failure = http_error(error)
             if failure.status >= 500:
                 log.warning("http request %s: %s", request_id, failure.message)
-            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
+            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"), failure.message)
             return failure.response()
         return call(self, proto, options, request_id)
 
@@ -381,19 +414,27 @@ class HttpFront:
         length = request.headers.get("content-length", "")
         chunks, size = [], 0
         too_large = length.isdigit() and int(length) > self.max_body
-        async for chunk in request.stream():
-            size += len(chunk)
-            too_large = too_large or size > self.max_body
-            if size > 4 * self.max_body:
-                break
-            if not too_large:
-                chunks.append(chunk)
-            # Past the cap the rest is read and dropped (up to a bound) before answering: most clients send
-            # the whole body before they read a reply, and would see a reset connection instead of the 413.
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):  # a client that trickles its body
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    too_large = too_large or size > self.max_body
+                    if size > 4 * self.max_body:
+                        break
+                    if not too_large:
+                        chunks.append(chunk)
+                    # Past the cap the rest is read and dropped (up to a bound) before answering: most clients
+                    # send the whole body before they read a reply, and would see a reset connection, not the 413.
+        except TimeoutError:
+            raise HttpError(408, f"the request body took longer than {self.config.body_timeout_s:g} s to arrive "
+                            "(--http-body-timeout-s)", code="request_timeout") from None
         if too_large:
             raise self._too_large()
+        data = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            # A large body is parsed on the executor: the loop keeps serving every other request meanwhile.
+            body = json.loads(data) if len(data) < OFF_LOOP_BYTES else \
+                await asyncio.get_running_loop().run_in_executor(None, json.loads, data)
         except (ValueError, UnicodeDecodeError) as error:
             raise HttpError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
@@ -429,14 +470,14 @@ class HttpFront:
         if top_logprobs and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-        sampling = _sampling_params(body)
+        sampling = _sampling_params(body, self.max_tokens_limit)
         if logprobs:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
 
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
         if "max_pixels" in mm:
-            request.max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels")
+            request.max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels")
         template = _object(body, "chat_template_kwargs", {"enable_thinking"})
         request.enable_thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
         if "user" in body and not isinstance(body["user"], str):
@@ -475,7 +516,7 @@ class HttpFront:
         if "user" in body and not isinstance(body["user"], str):
             raise HttpError(400, "user must be a string", param="user")
         text, ids = _completion_prompt(body.get("prompt"))
-        sampling = _sampling_params(body)
+        sampling = _sampling_params(body, self.max_tokens_limit)
         if logprobs is not None:
             sampling.logprobs = max(1, logprobs)
         builder = self.core.builder
@@ -522,6 +563,9 @@ class HttpFront:
                                     f'"image_url": {{"url": URL}}}}; got type {kind!r}', param="messages",
                                     code="unsupported_parameter" if kind else None)
             out.append(chat)
+        if len(loads) > self.max_images:  # before any URL is fetched or any data: URL decoded
+            raise HttpError(400, f"request has {len(loads)} images; at most {self.max_images} images per request "
+                            "are allowed (router.max_images_per_request)", param="messages")
         if loads:
             results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
                                            return_exceptions=True)
@@ -548,23 +592,28 @@ class HttpFront:
         return out
 
 
-def _sampling_params(body: dict) -> epd_pb2.SamplingParams:
-    """The generation fields chat and completions share (``logprobs`` is each one's own)."""
+def _sampling_params(body: dict, max_tokens_limit: int) -> epd_pb2.SamplingParams:
+    """The generation fields chat and completions share (``logprobs`` is each one's own), bounded
+    as every front bounds them (``epd.limits``, the deployment's ``--max-tokens-limit``)."""
     sampling = epd_pb2.SamplingParams()
     tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
     if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
         raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
-    if tokens:
-        sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
+    if tokens:  # the deployment's own limit (--max-tokens-limit), in the gRPC front's words
+        sampling.max_tokens = _max_tokens(body, tokens[0], max_tokens_limit)
     if "temperature" in body:
         sampling.temperature = _number(body, "temperature")
+        try:
+            limits.check_temperature(sampling.temperature)  # the bound (and words) of every front
+        except ValueError as error:
+            raise HttpError(400, str(error), param="temperature", code="invalid_argument") from None
     if "top_p" in body:
         sampling.top_p = _number(body, "top_p")
     if "top_k" in body:
-        top_k = _integer(body, "top_k", -1, 2**31 - 1)
+        top_k = _integer(body, "top_k", -1, limits.MAX_TOP_K)
         sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
     if "seed" in body:
-        sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
+        sampling.seed = _integer(body, "seed", 0, limits.MAX_SEED)
     if "stop" in body:
         stop = body["stop"]
         stops = [stop] if isinstance(stop, str) else stop
@@ -683,12 +732,31 @@ def _number(body: dict, name: str) -> float:
     return float(value)
 
 
+def _max_tokens(body: dict, name: str, limit: int) -> int:
+    """max_tokens (or max_completion_tokens) in [1, the deployment's limit], refused in the words
+    the request path uses (so a value past int32 reads as what it is: more than the limit)."""
+    value = body[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HttpError(400, f"{name} must be an integer in [1, {limit}]", param=name)
+    got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+    if value < 1:
+        raise HttpError(400, f"{name} must be at least 1, got {got}", param=name, code="invalid_argument")
+    if value > limit:
+        raise HttpError(400, f"{name} must be at most {limit}, got {got}", param=name, code="invalid_argument")
+    return value
+
+
 def _integer(body: dict, name: str, low: int, high: int, shown: str = "") -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}]", param=shown or name)
+    if not low <= value <= high:
+        got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+        raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}], got {got}", param=shown or name)
     return value
 
 
@@ -716,6 +784,7 @@ class _ChatCall:
     async def __call__(self, scope, receive, send) -> None:
         logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
         self.started = False  # the status line has gone out
+        self.streaming = False  # ... and it was a stream's (200, text/event-stream)
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -755,21 +824,54 @@ class _ChatCall:
 
     async def _produce(self, send) -> None:
         front = self.front
-        streams = [front.stats.track("http", front.core.generate(request, None)) for request in self._requests()]
+        requests = self._requests()
+        accepted = [asyncio.Event() for _ in requests]
+        streams = [front.stats.track("http", front.core.generate(request, None, on_accepted=event.set))
+                   for request, event in zip(requests, accepted)]
+        headers = None
+        if self.options.stream and not self.options.continuous_usage:
+            # A stream's status line, headers and opening chunks go out as soon as every choice's
+            # request has passed its checks, not at the first token (seconds later under load): a
+            # refusal still gets its own status, a failure after that is an error event in the stream.
+            async def flush_headers() -> None:
+                for event in accepted:
+                    await event.wait()
+                await self._start_stream(send, len(requests))
+
+            headers = asyncio.ensure_future(flush_headers())
         try:
             try:
                 firsts = await _all([_next(stream) for stream in streams])
             except Exception as error:  # noqa: BLE001 - a refusal before anything was sent: its own status
+                await self._settle(headers, accepted)
+                if self.streaming:
+                    _, body, _ = self._error(error)
+                    await send({"type": "http.response.body", "body": _sse(body) + b"data: [DONE]\n\n",
+                                "more_body": False})
+                    return
                 self.started = True
                 await _send_json(send, *self._error(error))
                 return
+            await self._settle(headers, accepted)
             if self.options.stream:
                 await self._stream(send, firsts, streams)
             else:
                 await self._whole(send, firsts, streams)
         finally:
+            if headers is not None and not headers.done():
+                headers.cancel()
             for stream in streams:
                 await stream.aclose()
+
+    @staticmethod
+    async def _settle(headers: asyncio.Future | None, accepted: list[asyncio.Event]) -> None:
+        """Wait for the headers being sent, or call them off if a request never was accepted."""
+        if headers is None:
+            return
+        if not all(event.is_set() for event in accepted):
+            headers.cancel()  # still waiting on the event: nothing was sent (no await since the check)
+        with contextlib.suppress(asyncio.CancelledError):
+            await headers
 
     def _error(self, error: BaseException) -> tuple[int, dict, dict]:
         failure = http_error(error)
@@ -831,11 +933,25 @@ class _ChatCall:
         self.started = True
         await _send_json(send, 200, body, {"x-request-id": self.id})
 
-    async def _stream(self, send, firsts, streams) -> None:
-        self.started = True
+    async def _start_stream(self, send, num_choices: int, usage: dict | None = None) -> None:
+        """The stream's status line, headers and each choice's opening chunk, flushed now."""
+        self.started = self.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-request-id", self.id.encode())]})
+            (b"x-accel-buffering", b"no"), (b"x-request-id", self.id.encode())]})
+        self._states = [{} for _ in range(num_choices)]
+        for index, state in enumerate(self._states):
+            for choice in self._opening_choices(index, state):
+                await self._emit(send, [choice], usage)
+
+    async def _emit(self, send, choices: list, usage: dict | None = None, **extra) -> None:
+        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
+                 "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **extra}
+        if self.options.include_usage:
+            chunk["usage"] = usage
+        await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+
+    async def _stream(self, send, firsts, streams) -> None:
         options = self.options
         prompt_tokens = next((f.chunk.prompt_tokens for f in firsts if f is not None
                               and f.WhichOneof("event") == "chunk"), 0)
@@ -849,16 +965,11 @@ class _ChatCall:
                     "total_tokens": prompt_tokens + sum(completion)}
 
         async def emit(choices: list, usage: dict | None = None, **extra) -> None:
-            chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
-                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **extra}
-            if options.include_usage:
-                chunk["usage"] = usage
-            await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+            await self._emit(send, choices, usage, **extra)
 
-        states = [{} for _ in streams]
-        for index, state in enumerate(states):
-            for choice in self._opening_choices(index, state):
-                await emit([choice], running())
+        if not self.streaming:  # not flushed ahead (continuous usage stats want the prompt's size first)
+            await self._start_stream(send, len(streams), running())
+        states = self._states
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, event, stream) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -80,6 +81,13 @@ def test_fields_map_onto_the_request():
     ({"messages": user(), "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be an integer in [0, 20]"),
     ({"messages": user(), "max_tokens": 5, "max_completion_tokens": 6}, 400, "differ"),
     ({"messages": user(), "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    # The deployment's real bounds in the request path's words, not int32's range.
+    ({"messages": user(), "max_tokens": 10**12}, 400, "max_tokens must be at most 4096, got 1000000000000"),
+    ({"messages": user(), "max_completion_tokens": 4097}, 400, "max_completion_tokens must be at most 4096, got 4097"),
+    ({"messages": user(), "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0"),
+    ({"messages": user(), "max_tokens": -2**40}, 400, "max_tokens must be at least 1, got -1099511627776"),
+    ({"messages": user(), "temperature": 1e9}, 400, "temperature must be in [0, 1e+06], got 1e+09"),
+    ({"messages": user(), "temperature": -1}, 400, "temperature must be in [0, 1e+06], got -1"),
     ({"messages": user(), "temperature": "hot"}, 400, "temperature must be a finite number"),
     ({"messages": user(), "seed": -1}, 400, "seed must be an integer"),
     ({"messages": user(), "stop": [""]}, 400, "stop must be"),
@@ -202,3 +210,185 @@ def test_the_refused_fields_docs_list_are_refused_by_name(field):
         with pytest.raises(HttpError) as raised:
             asyncio.run(front.build_completion({"prompt": "hi", field: 1}, "cmpl-1"))
         assert raised.value.message.startswith(f"{field}: not supported")
+
+
+def test_one_source_for_the_sampling_bounds_of_every_front_and_the_cli():
+    """epd.limits is what the HTTP front, the request path and `epd generate` all check against."""
+    from control import cli
+    from epd import limits, sampling
+
+    assert limits.MAX_LOGPROBS == sampling.MAX_LOGPROBS
+    request, _ = build({"messages": user(), "temperature": limits.MAX_TEMPERATURE})
+    assert request.sampling.temperature == pytest.approx(limits.MAX_TEMPERATURE)
+    with pytest.raises(HttpError, match=r"temperature must be in \[0, 1e\+06\]"):
+        build({"messages": user(), "temperature": limits.MAX_TEMPERATURE * 1.5})
+    parser = cli._parser()
+    args = parser.parse_args(["generate", "--addr", "h:1", "--prompt", "x", "--temperature",
+                              str(limits.MAX_TEMPERATURE), "--max-pixels", "0"])
+    assert args.temperature == limits.MAX_TEMPERATURE and args.max_pixels == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--addr", "h:1", "--prompt", "x", "--temperature",
+                           str(limits.MAX_TEMPERATURE * 1.5)])
+
+
+def _scope(path: str = "/v1/chat/completions", length: int | None = None) -> dict:
+    headers = [(b"content-type", b"application/json")]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+
+
+def _requests_total(stats: RequestStats, status: str) -> float:
+    family = next(f for f in stats.families() if f.name == "epd_requests_total")
+    return sum(value for labels, value in family.samples.items() if labels[0] == "http" and labels[1] == status)
+
+
+def test_past_the_open_request_cap_a_request_is_429_with_retry_after_and_counted():
+    """Requests held open (here: bodies that have not arrived) fill the cap; the next one is
+    answered 429 + Retry-After at once, before its body is read, and counted; /health still answers."""
+    stats = RequestStats()
+    front = HttpFront(None, HttpConfig(body_timeout_s=30), "tiny", "", lambda: True, stats, max_open_requests=2)
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def stalled():  # a client that sent its headers and then nothing
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def drop(message):
+            pass
+
+        held = [asyncio.ensure_future(front.app(_scope(length=100), stalled, drop)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert front.open_requests == 2
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def unread():
+            raise AssertionError("the refused request's body was read")
+
+        await front.app(_scope(length=100), unread, send)
+        health = []
+
+        async def health_send(message):
+            health.append(message)
+
+        await front.app({**_scope("/health"), "method": "GET"}, unread, health_send)
+        never.set()
+        await asyncio.gather(*held)
+        assert front.open_requests == 0
+        return sent, health
+
+    sent, health = asyncio.run(scenario())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    headers = dict(start["headers"])
+    assert start["status"] == 429 and headers[b"retry-after"] == b"1"
+    body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert body["error"]["code"] == "resource_exhausted" and "limit 2" in body["error"]["message"]
+    assert _requests_total(stats, "RESOURCE_EXHAUSTED") == 1
+    assert next(m for m in health if m["type"] == "http.response.start")["status"] == 200
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408():
+    stats = RequestStats()
+    front = HttpFront(None, HttpConfig(body_timeout_s=0.3), "tiny", "", lambda: True, stats)
+    parts = [{"type": "http.request", "body": b'{"messages": ', "more_body": True}]
+
+    async def scenario():
+        sent = []
+
+        async def receive():  # the first bytes, then nothing more
+            if parts:
+                return parts.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            sent.append(message)
+
+        started = time.monotonic()
+        await asyncio.wait_for(front.app(_scope(length=10_000), receive, send), 10)
+        return sent, time.monotonic() - started
+
+    sent, took = asyncio.run(scenario())
+    assert next(m["status"] for m in sent if m["type"] == "http.response.start") == 408
+    body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert "took longer than 0.3 s" in body["error"]["message"] and took < 5
+    assert _requests_total(stats, "DEADLINE_EXCEEDED") == 1
+
+
+def test_the_image_count_is_checked_before_any_url_is_fetched():
+    from tests.media_server import MediaServer
+
+    server = MediaServer({"/a.png": IMAGE})
+    try:
+        config = HttpConfig(allow_media_urls=True, allowed_media_domains=("127.0.0.1",))
+        front = HttpFront(None, config, "tiny", "", lambda: True, RequestStats(), max_images=3)
+        parts = [{"type": "image_url", "image_url": {"url": server.url(f"/a.png?n={n}")}} for n in range(4)]
+        with pytest.raises(HttpError, match=r"request has 4 images; at most 3 images per request"):
+            asyncio.run(front.build_request({"messages": user(*parts)}, "chatcmpl-1"))
+        assert server.requests == []  # not one was fetched
+        request, _ = asyncio.run(front.build_request({"messages": user(*parts[:3])}, "chatcmpl-2"))
+        assert len(server.requests) == 3 and request.messages[0].content[0].image == IMAGE
+    finally:
+        server.close()
+
+
+def test_a_large_body_and_data_url_are_parsed_off_the_event_loop():
+    """A multi-megabyte body (JSON, then base64) is parsed on the executor: the loop stays free."""
+    import threading
+
+    from router_svc import http as http_module
+    from router_svc import media as media_module
+
+    front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, RequestStats())
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(5).integers(0, 256, (512, 512, 3), dtype=np.uint8)  # does not compress
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, format="PNG")
+    big = buffer.getvalue()
+    body = json.dumps({"messages": user({"type": "image_url", "image_url": {"url": encode_data_url(big)}})}).encode()
+    assert len(body) > http_module.OFF_LOOP_BYTES and len(body) > media_module.DATA_OFF_LOOP_CHARS
+    threads = []
+    real_loads, real_decode = json.loads, media_module.decode_data_url
+
+    def watch(real):
+        def call(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return call
+
+    http_module.json.loads = watch(real_loads)
+    media_module.decode_data_url = watch(real_decode)
+    try:
+        status_seen = []
+
+        async def scenario():
+            loop_thread = threading.current_thread().name
+            incoming = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive():
+                return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+            from starlette.requests import Request
+
+            request = Request(_scope(length=len(body)), receive)
+            parsed = await front._read_json(request)
+            messages = await front._messages(parsed["messages"])
+            status_seen.append(loop_thread)
+            return messages
+
+        messages = asyncio.run(scenario())
+    finally:
+        http_module.json.loads = real_loads
+        media_module.decode_data_url = real_decode
+    assert messages[0].content[0].image == big
+    assert len(threads) == 2 and status_seen[0] not in threads, threads
