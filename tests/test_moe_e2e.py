@@ -65,41 +65,51 @@ def test_second_turn_through_the_prefix_cache_matches_transformers(moe_stack, mo
 
 
 def test_a_request_resumed_after_its_decode_worker_died_still_matches(moe_stack, moe_oracle):
-    prompt, num_tokens = "Tell me a long story about the picture.", 400
-    expected = moe_oracle.generate_through_eos(moe_oracle.inputs(prompt, [WIDE]), num_tokens)
+    """Two long streams (one per decode worker, the balancer spreads them); the first decode worker
+    seen holding one is killed with SIGKILL: its stream moves to the other worker (a prefill of the
+    prompt plus the tokens streamed so far) and both streams still equal transformers' tokens."""
+    cases = [("Tell me a long story about the picture.", WIDE), ("Describe every detail you can see here.", TALL)]
+    num_tokens = 800
+    expected = [moe_oracle.generate_through_eos(moe_oracle.inputs(prompt, [image]), num_tokens)
+                for prompt, image in cases]
     watch = StatusWatch(ray_address(moe_stack))
-    outcome: dict = {}
+    outcomes: list[dict] = [{} for _ in cases]
 
-    def stream() -> None:
+    def stream(index: int) -> None:
+        prompt, image = cases[index]
         try:
-            outcome["result"] = client.generate(
-                moe_stack.address, client.user_request(prompt, [WIDE], max_tokens=num_tokens, ignore_eos=True),
+            outcomes[index]["result"] = client.generate(
+                moe_stack.address, client.user_request(prompt, [image], max_tokens=num_tokens, ignore_eos=True),
                 timeout_s=300)
         except BaseException as error:  # noqa: BLE001 - reported by the assertion below
-            outcome["error"] = error
+            outcomes[index]["error"] = error
 
-    thread = threading.Thread(target=stream)
+    threads = [threading.Thread(target=stream, args=(index,)) for index in range(len(cases))]
     try:
         started = time.time()
-        thread.start()
+        for thread in threads:
+            thread.start()
         killed = None
         deadline = time.monotonic() + 120
-        while killed is None and thread.is_alive() and time.monotonic() < deadline:
+        while killed is None and any(t.is_alive() for t in threads) and time.monotonic() < deadline:
             look = watch.since(started)
             started = time.time()
             holders = [r for r in look["roles"]["decode"] if r.get("in_flight")]
             if holders:
                 killed = holders[0]
                 os.kill(killed["pid"], signal.SIGKILL)
-        thread.join(timeout=300)
+        for thread in threads:
+            thread.join(timeout=300)
     finally:
         watch.close()
-    assert killed is not None, f"the stream ended before a decode worker was seen holding it: {outcome}"
-    assert "error" not in outcome, outcome["error"]
-    result = outcome["result"]
-    assert result.summary.resumes >= 1
-    assert len(result.token_ids) == num_tokens
-    assert result.token_ids == expected
+    assert killed is not None, f"the streams ended before a decode worker was seen holding one: {outcomes}"
+    for outcome in outcomes:
+        assert "error" not in outcome, outcome["error"]
+    results = [outcome["result"] for outcome in outcomes]
+    assert sum(result.summary.resumes for result in results) >= 1
+    for result, want in zip(results, expected):
+        assert len(result.token_ids) == num_tokens
+        assert result.token_ids == want
     # the killed worker comes back (Ray restarts it) and the stack serves on
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
