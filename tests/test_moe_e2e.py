@@ -86,6 +86,7 @@ def test_a_request_resumed_after_its_decode_worker_died_still_matches(moe_stack,
 
     threads = [threading.Thread(target=stream, args=(index,)) for index in range(len(cases))]
     try:
+        watch.since(time.time())  # the watch is looking (its Ray driver takes seconds to connect)
         started = time.time()
         for thread in threads:
             thread.start()
