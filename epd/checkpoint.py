@@ -168,6 +168,15 @@ def _tiny_32k() -> Qwen3_5Config:
     return config
 
 
+def _tiny_hd64() -> Qwen3_5Config:
+    """``tiny`` with linear-attention head dims of 64: vLLM's CPU Gated DeltaNet kernels take only
+    64 or 128 (``tiny``'s 16 fails to load there), so ``epd bench --baseline vllm`` tests run on it."""
+    config = _tiny()
+    config.text_config.linear_key_head_dim = 64
+    config.text_config.linear_value_head_dim = 64
+    return config
+
+
 def _qwen35_0_8b() -> Qwen3_5Config:
     text = dict(
         hidden_size=1024,
@@ -207,6 +216,7 @@ def _qwen35_0_8b() -> Qwen3_5Config:
 PRESETS: dict[str, Callable[[], Qwen3_5Config]] = {
     "tiny": _tiny,
     "tiny-32k": _tiny_32k,
+    "tiny-hd64": _tiny_hd64,
     "qwen3.5-0.8b": _qwen35_0_8b,
 }
 
