@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import threading
-import time
 from dataclasses import dataclass
 
 from bench.load import APIS, LoadRunner, LoadSettings

