@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -339,6 +340,9 @@ def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
                                                    r"ValueError: CPU GDN attention requires BF16$"):
         server.start()
     assert server.proc is None
+    log = pathlib.Path(server.log_path)  # kept for the user to read; the process is gone
+    assert "CPU GDN attention requires BF16" in log.read_text()
+    shutil.rmtree(log.parent)
 
 
 # ---------------------------------------------------------------- a real run (slow)
