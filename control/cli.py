@@ -766,6 +766,10 @@ def status_lines(status: dict, header: bool = False) -> list[str]:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             http = f"  http {replica['http_address']}" if replica.get("http_address") else ""
             work = "" if replica.get("in_flight") is None else f"  {replica['in_flight']} in flight"
+            kv = replica.get("kv")
+            if kv:
+                work += (f"  K/V {kv['usage']:.0%} of {kv['capacity_tokens']} tokens, "
+                         f"{kv['preemptions']} preempted")
             lines.append(f"  {replica['name']:12} {state:10} node {where.get(replica['name'], '?'):15} "
                          f"{replica['address']}{http}{work}")
     for role, why in status.get("not_replacing", {}).items():

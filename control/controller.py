@@ -162,6 +162,7 @@ class Controller:
         waiting = {name for entry in self.unplaced if entry["count"] == len(entry["replicas"])
                    for name in entry["replicas"]}
         in_flight = self._work_in_flight()
+        kv = self._kv_usage()
         for replica in replicas:
             e = registered.get(replica.name)
             roles[replica.role].append({
@@ -170,6 +171,7 @@ class Controller:
                 "http_address": e.http_address if e else "",
                 "draining": bool(e and e.draining), "healthy": replica.healthy,
                 "in_flight": in_flight.get(replica.name),
+                **({"kv": kv[replica.name]} if replica.name in kv else {}),
                 "state": "unplaced" if replica.name in waiting else _state(replica)})
         counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy",
                                                                               "recovered")}
@@ -325,6 +327,22 @@ class Controller:
                 found[name] = sum(ray.get(parts, timeout=0))
             except Exception:  # noqa: BLE001 - restarting or gone: status says nothing of its work
                 pass
+        return found
+
+    def _kv_usage(self) -> dict[str, dict]:
+        """Each decode replica's K/V pool now (``DecodeServer.kv_usage``), asked of all at once;
+        one that does not answer within ``STATUS_WAIT_S`` is left out."""
+        with self._lock:
+            refs = {name: handle.kv_usage.remote() for name, handle in self._handles.items()
+                    if name.startswith("decode-")}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_WAIT_S)
+        found = {}
+        for name, ref in refs.items():
+            if ref in ready:
+                try:
+                    found[name] = ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - restarting or gone: status says nothing of its memory
+                    pass
         return found
 
     def _kill(self, name: str, reason: str = "") -> None:

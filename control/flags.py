@@ -78,6 +78,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
     _flag("--prefill-batch-tokens", "serve.prefill.batch_tokens"),
     _flag("--prefill-max-wait-s", "serve.prefill.max_wait_s"),
+    _flag("--prefill-max-held-mb", "serve.prefill.max_held_mb"),
     _flag("--max-batch-size", "serve.decode.max_batch_size"),
     _flag("--handoff-lease-s", "serve.decode.handoff_lease_s"),
     _flag("--kv-cache-bytes", "serve.decode.kv_cache_bytes"),
@@ -89,6 +90,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--encoder-max-queued", "serve.encode.max_queued_per_replica"),
     _flag("--encoder-cpus", "serve.encode.cpus", metavar="LIST"),
     _flag("--prefill-cpus", "serve.prefill.cpus", metavar="LIST"),
     _flag("--decode-cpus", "serve.decode.cpus", metavar="LIST"),
@@ -112,7 +114,8 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--media-max-mb", "serve.http.media_max_mb"),
     _flag("--media-max-redirects", "serve.http.media_max_redirects"),
 )
-SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"), *STACK, *SECURITY, *HTTP)
+SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
+         _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),

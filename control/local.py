@@ -69,12 +69,24 @@ class LocalStack:
             self._start_store()
             store = replace(self.config.store, redis_url=self.redis_url)
             deploy = replace(self.deploy, serve=replace(self.config, store=store))
+            deploy = self._with_gpus(deploy)
             self.controller = create_controller(deploy, detached=False)  # returns once every role serves
             self.addresses["router"] = self.router_addresses()[0]
             return self.addresses["router"]
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def _with_gpus(deploy):
+        import ray
+
+        from epd.config import share_gpus
+
+        shared = share_gpus(deploy, ray.cluster_resources().get("GPU", 0))
+        if shared is not deploy:
+            log.info("model replicas ask Ray for %s GPU each", shared.role_resources("decode").num_gpus)
+        return shared
 
     def router_addresses(self) -> list[str]:
         import ray
@@ -118,7 +130,8 @@ class LocalStack:
         # ray.init installs a native handler for SIGTERM that ends the process once it has printed a
         # stack; the caller's own handling (epd serve drains first) must stay in force.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
+        gpus = {} if self.deploy.local_gpus < 0 else {"num_gpus": self.deploy.local_gpus}
+        ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace, **gpus,
                  configure_logging=False, runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),
                                                                        os.environ.get(logs.LEVEL_ENV, "INFO")))
         if threading.current_thread() is threading.main_thread():

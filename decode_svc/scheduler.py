@@ -147,7 +147,7 @@ class DecodeScheduler:
         self.refused: Counter[str] = Counter()  # handoffs refused, by reason
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
-        self._reserved: dict[str, int] = {}  # handoffs being received: their tokens, held against the bound
+        self._reserved: dict[str, tuple[int, float]] = {}  # handoffs on the way: (tokens, held until)
 
     # ------------------------------------------------------------ memory
 
@@ -156,20 +156,25 @@ class DecodeScheduler:
         still feed (the last token it samples is never fed)."""
         return prompt_len + max(0, max_tokens - max(1, num_generated))
 
-    def check_handoff(self, request_id: str, prompt_len: int, max_tokens: int, num_generated: int) -> None:
+    def check_handoff(self, request_id: str, prompt_len: int, max_tokens: int, num_generated: int,
+                      now: float = 0.0, hold_s: float = float("inf")) -> None:
         """Before a handoff's bytes are received: refuse one that could never fit the pool
         (``ValueError``: INVALID_ARGUMENT) or that the waiting queue has no room for
         (``errors.ResourceExhausted``); otherwise hold its tokens against the bound until
-        ``add`` (or ``release``)."""
+        ``add`` (or ``release``, or ``hold_s`` after ``now`` when it never comes). A place already
+        held for ``request_id`` is simply kept."""
+        if request_id in self._reserved:
+            return
         if self.pool is not None:
             need = self.tokens_needed(prompt_len, max_tokens, num_generated)
             if self.pool.blocks_for(need) > self.pool.num_blocks:
                 self.refused["never_fits"] += 1
                 raise ValueError(f"decode: the request needs K/V for {need} tokens ({prompt_len} in its prompt); this "
                                  f"decode worker's pool holds {self.pool.capacity_tokens} (decode.kv_cache_bytes)")
+        self._expire_reservations(now)
         waiting = [r for r in self.requests.values() if r.status is RequestStatus.HANDED_OFF]
         count = len(waiting) + len(self._reserved)
-        tokens = sum(r.prompt_len for r in waiting) + sum(self._reserved.values())
+        tokens = sum(r.prompt_len for r in waiting) + sum(tokens for tokens, _ in self._reserved.values())
         if self.max_waiting_requests and count >= self.max_waiting_requests:
             self.refused["queue_full"] += 1
             raise errors.ResourceExhausted(f"decode: {count} handed-off requests already wait for the batch "
@@ -178,7 +183,15 @@ class DecodeScheduler:
             self.refused["queue_full"] += 1
             raise errors.ResourceExhausted(f"decode: the handed-off requests waiting for the batch hold {tokens} "
                                            f"tokens (decode.max_waiting_tokens {self.max_waiting_tokens})")
-        self._reserved[request_id] = prompt_len
+        self._reserved[request_id] = (prompt_len, now + hold_s)
+
+    def reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved
+
+    def _expire_reservations(self, now: float) -> None:
+        for request_id, (_, until) in list(self._reserved.items()):
+            if now > until:
+                del self._reserved[request_id]
 
     def release(self, request_id: str) -> None:
         """A handoff checked by ``check_handoff`` that never arrived (its stream broke)."""
@@ -189,6 +202,7 @@ class DecodeScheduler:
         (their blocks go back), give every running request the block its next token needs
         (preempting the youngest when none is free), move slots, admit what fits."""
         self.expire(now)
+        self._expire_reservations(now)
         plan = StepPlan()
         plan.left = [r for r in self.slots if r.status is RequestStatus.FINISHED]
         for request in plan.left:

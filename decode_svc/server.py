@@ -37,6 +37,19 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
         self.engine = engine
 
     @rpc.unary_errors
+    async def Reserve(self, header: epd_pb2.HandoffHeader, context) -> epd_pb2.HandoffAck:
+        """Hold a place for a handoff before its bytes are sent: a refusal here costs the sender
+        nothing (a refusal in the middle of a client stream races the sender's writes)."""
+        max_len = self.engine.runner.model.config.max_position_embeddings
+        if not header.request_id or not 1 <= header.prompt_len <= max_len:
+            raise ValueError(f"reserve: a request id and a prompt_len in [1, {max_len}] are needed, got "
+                             f"{header.request_id[:64]!r} and {header.prompt_len}")
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.engine.check_handoff, header.request_id, header.prompt_len, header.sampling.max_tokens,
+            max(1, header.num_generated))
+        return epd_pb2.HandoffAck(request_id=header.request_id)
+
+    @rpc.unary_errors
     async def Handoff(self, request_iterator, context) -> epd_pb2.HandoffAck:
         engine, loop = self.engine, asyncio.get_running_loop()
         runner = engine.runner

@@ -96,6 +96,11 @@ class EncoderEngine:
     def ready(self) -> bool:
         return True
 
+    def device_info(self) -> dict:
+        from epd.tensors import device_info
+
+        return device_info()
+
     def ping(self) -> bool:
         return True
 

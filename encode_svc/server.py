@@ -30,11 +30,28 @@ class ReplicaPool:
     breakers, draining) is the ``Balancer``'s; this adds the single flight per key and the retry
     on another replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_queued_per_replica: int = 0) -> None:
         self.balancer = discovery.Balancer("encoder")
+        self.max_queued_per_replica = max_queued_per_replica
         self._in_flight: dict[str, _Flight] = {}
         self.num_retried = 0
         self.num_cancelled = 0
+        self.num_refused = 0
+
+    def admit(self, keys: list[str]) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a request whose new images would take the images in flight
+        past ``max_queued_per_replica`` for each replica taking work; one already being encoded
+        joins its flight and costs nothing, and a request is never refused while nothing is in
+        flight (so one with more images than the limit still runs, alone)."""
+        if not self.max_queued_per_replica:
+            return
+        new = len({key for key in keys if key not in self._in_flight})
+        limit = self.max_queued_per_replica * max(1, self.balancer.num_available())
+        if new and self._in_flight and len(self._in_flight) + new > limit:
+            self.num_refused += 1
+            raise errors.ResourceExhausted(f"encode: {len(self._in_flight)} images are already queued or encoding "
+                                           f"(limit {limit}: encode.max_queued_per_replica for each replica); "
+                                           "retry shortly")
 
     async def encode(self, item: epd_pb2.EncodeItem) -> EncodeResult:
         """Encode one image, or wait for the encode of the same key already in flight. The encode
@@ -117,6 +134,7 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
 
     @rpc.unary_errors
     async def Encode(self, request: epd_pb2.EncodeRequest, context) -> epd_pb2.EncodeResponse:
+        self.pool.admit([item.store_key for item in request.items])
         # Every image is submitted before any is awaited: they encode in parallel.
         results = await asyncio.gather(*(self.pool.encode(item) for item in request.items))
         return epd_pb2.EncodeResponse(images=[_to_proto(r) for r in results])
@@ -140,7 +158,7 @@ class EncodeServer(rpc.RoleServer):
     SERVING while at least one replica takes work."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
-        self.pool = ReplicaPool()
+        self.pool = ReplicaPool(serve.encode.max_queued_per_replica)
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
                                               context.poll_s, self.pool.balancer.outstanding)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],

@@ -100,8 +100,12 @@ class EncodeConfig:
     """Weights and activations dtype of the vision tower."""
     prepack: bool = True
     """On a CPU, run the vision tower's linear layers through oneDNN with pre-packed weights."""
+    max_queued_per_replica: int = 16
+    """Images an Encoder service lets queue or run per encoder replica taking work; a request whose
+    new images would go past it is refused with RESOURCE_EXHAUSTED. 0: no limit."""
 
     def __post_init__(self) -> None:
+        _check_range(self.max_queued_per_replica, 0, 1 << 20, "encode.max_queued_per_replica")
         _check_range(self.max_batch_patches, 0, 1 << 24, "encode.max_batch_patches")
         _check(self.dtype in DTYPE_CHOICES, "encode.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         _check_range(self.max_decoded_pixels, 65536, 1 << 31, "encode.max_decoded_pixels")
@@ -149,11 +153,17 @@ class PrefillConfig(LMConfig):
     """Tokens per prefix-cache block (64 = Gated DeltaNet's kernel chunk, so block edges fall on its chunk edges)."""
     snapshot_every_blocks: int = 8
     """Besides each prompt's last full block and turn start, keep a prefix snapshot every this many blocks; 0: those only."""
+    max_held_mb: int = 0
+    """Memory the prompts one prefill worker holds may take in all (queued, running, or waiting for
+    a decode worker with room; each counted by its state and embeddings); past it a prompt is
+    refused with RESOURCE_EXHAUSTED before any work. 0: a quarter of the memory available once the
+    weights are loaded."""
     metrics_port: int = 0
     """Port of the prefill worker's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_range(self.max_held_mb, 0, 1 << 30, "prefill.max_held_mb")
         _check_range(self.chunk_tokens, 1, 1 << 20, "prefill.chunk_tokens")
         _check_range(self.batch_tokens, 1, 1 << 20, "prefill.batch_tokens")
         _check_range(self.max_wait_s, 0.01, 3600, "prefill.max_wait_s")
@@ -228,7 +238,12 @@ class RouterConfig:
     """Port of the router's Prometheus /metrics endpoint; 0 turns it off."""
     max_queued_requests: int = 0
     """Requests one router lets wait (accepted, first token not yet streamed) before it refuses
-    more with RESOURCE_EXHAUSTED; 0: no limit. Requests resumed after a decode worker died always pass."""
+    more with RESOURCE_EXHAUSTED (HTTP 429). 0: derived from the deployment's capacity, twice
+    decode.max_batch_size for each decode replica that takes work; -1: no limit. Requests resumed
+    after a decode worker died always pass."""
+    max_concurrent_rpcs: int = 4096
+    """Calls one router's gRPC server runs at once (streams included); more are refused by gRPC
+    with RESOURCE_EXHAUSTED before they are read."""
     max_images_per_request: int = 16
     """The most images one request may carry; more is INVALID_ARGUMENT."""
     max_request_mb: int = 64
@@ -242,7 +257,8 @@ class RouterConfig:
         _check_range(self.port, 0, 65535, "router.port")
         _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
         _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
-        _check_range(self.max_queued_requests, 0, 1 << 20, "router.max_queued_requests")
+        _check_range(self.max_queued_requests, -1, 1 << 20, "router.max_queued_requests")
+        _check_range(self.max_concurrent_rpcs, 1, 1 << 20, "router.max_concurrent_rpcs")
         _check_range(self.max_tokens_limit, 1, 1 << 20, "router.max_tokens_limit")
         _check_range(self.default_max_tokens, 1, self.max_tokens_limit, "router.default_max_tokens")
         _check_range(self.max_model_len, 0, 1 << 24, "router.max_model_len")
@@ -474,6 +490,10 @@ class DeployConfig:
     """Seconds between two health probes of every replica by the controller."""
     probe_timeout_s: float = 2.0
     """A probe without an answer within this many seconds marks the replica unhealthy."""
+    local_gpus: int = -1
+    """`epd serve` only: GPUs the local Ray node offers (-1: what Ray detects). When it has some and
+    no role asks for GPUs, each model replica (encoder, prefill, decode) is given a GPU of its own,
+    or an equal share when there are fewer GPUs than model replicas (``share_gpus``)."""
     start_timeout_s: float = 900.0
     """How long a new replica may wait for resources (a node the cluster autoscaler adds) and load."""
     max_start_failures: int = 3
@@ -496,6 +516,7 @@ class DeployConfig:
         _check_range(self.probe_interval_s, 0.1, 60, "probe_interval_s")
         _check_range(self.probe_timeout_s, 0.1, 60, "probe_timeout_s")
         _check_range(self.start_timeout_s, 1, 86400, "start_timeout_s")
+        _check_range(self.local_gpus, -1, 1024, "local_gpus")
         _check_range(self.max_start_failures, 1, 1000, "max_start_failures")
         if self.bind == "node":
             _check(not (self.serve.store.redis_url or "").startswith("unix://") and self.serve.store.redis_url is not None,
@@ -510,6 +531,24 @@ class DeployConfig:
     def replicas(self, role: str) -> int:
         return {"encoder": self.num_encoders, "encode": self.num_encode_services, "prefill": self.num_prefill,
                 "decode": self.num_decode, "router": self.num_routers}[role]
+
+
+MODEL_ROLES = ("encoder", "prefill", "decode")
+
+
+def share_gpus(deploy: DeployConfig, gpus: float) -> DeployConfig:
+    """``deploy`` with the model roles asking Ray for GPUs when the node has ``gpus`` and no role
+    asks for any: a whole GPU per model replica when there are enough, else ``1 / k`` of one, ``k``
+    replicas to a GPU (Ray then places them and sets each one's CUDA_VISIBLE_DEVICES, so no two
+    replicas share a device they were not told to share)."""
+    if gpus <= 0 or any(deploy.role_resources(role).num_gpus for role in ROLES):
+        return deploy
+    replicas = sum(deploy.replicas(role) for role in MODEL_ROLES)
+    share = 1.0 if gpus >= replicas else 1.0 / -(-replicas // int(gpus))
+    resources = dict(deploy.resources)
+    for role in MODEL_ROLES:
+        resources[role] = dataclasses.replace(deploy.role_resources(role), num_gpus=share)
+    return dataclasses.replace(deploy, resources=resources)
 
 
 def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConfig]:

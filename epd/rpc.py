@@ -318,6 +318,11 @@ def public_transport(security) -> Transport:
 Service = tuple[Callable, object, str]  # (add_XServicer_to_server, servicer, full service name)
 
 
+MAX_CONCURRENT_RPCS = 4096
+"""Calls one role's gRPC server runs at once: a ceiling, so that no flood of calls between roles
+(each holding buffers) can take a process's memory; the queues behind the servers bound the work."""
+
+
 class RoleServer:
     """Hosts one role's gRPC service in its own process (the controller makes it a Ray actor).
 
@@ -332,10 +337,11 @@ class RoleServer:
 
     def _serve(self, services: Iterable[Service], host: str, transport: Transport, port: int = 0,
                healthy: Callable[[], bool] = lambda: True, what: str = "the deployment's internal token",
-               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+               max_receive_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> None:
         """Start the server: ``transport`` says who may call (its token, its certificates);
         ``max_receive_bytes`` is the largest request message it reads (a public service sets it far
-        below the internal hops' cap; gRPC refuses a bigger one with RESOURCE_EXHAUSTED)."""
+        below the internal hops' cap; gRPC refuses a bigger one with RESOURCE_EXHAUSTED);
+        ``max_concurrent_rpcs`` the calls it runs at once (gRPC refuses more with RESOURCE_EXHAUSTED)."""
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]
@@ -345,7 +351,8 @@ class RoleServer:
         self._in_flight = InFlightCounter()
         interceptors = [*transport.interceptors(what), self._in_flight]
         self.server, self.port, self._health = self.events.run(_start_server(
-            services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes))
+            services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes,
+            max_concurrent_rpcs))
         self.events.run(_report_health(self))
         self._health_task = asyncio.run_coroutine_threadsafe(_health_loop(self), self.events.loop)
 
@@ -363,6 +370,12 @@ class RoleServer:
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def device_info(self) -> dict:
+        """The device this role computes on and the GPUs Ray gave it."""
+        from epd.tensors import device_info
+
+        return device_info()
 
     def in_flight(self) -> int:
         """Calls this server is still running: a replica being drained exits at zero."""
@@ -457,10 +470,12 @@ def _add_reflection_v1_descriptor(reflection_pb2) -> None:
 
 
 async def _start_server(services: list[Service], host: str, port: int, interceptors: list,
-                        credentials: grpc.ServerCredentials | None, max_receive_bytes: int):
+                        credentials: grpc.ServerCredentials | None, max_receive_bytes: int,
+                        max_concurrent_rpcs: int = 0):
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", max_receive_bytes), *KEEPALIVE_OPTIONS]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(options=options, interceptors=interceptors,
+                             maximum_concurrent_rpcs=max_concurrent_rpcs or None)
     served = [name for _, _, name in services if not name.startswith(REFLECTION_PREFIX)]
     for add, servicer, name in services:
         if not name.startswith(REFLECTION_PREFIX):  # a reflection entry asks for enable_reflection below

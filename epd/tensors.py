@@ -6,6 +6,7 @@ and its shape, and is rebuilt with ``torch.frombuffer`` on the other side.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -90,8 +91,27 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
 
 
 def default_device() -> str:
-    """CUDA when this process sees a GPU, else CPU: the same code serves both."""
+    """CUDA when this process may use a GPU, else CPU: the same code serves both. In a Ray worker
+    that means a GPU Ray gave it (Ray sets its CUDA_VISIBLE_DEVICES, so ``cuda`` is that one): a
+    replica that asked Ray for no GPU runs on the CPU even where a GPU is visible, never on another
+    role's device."""
+    if "ray" in sys.modules:
+        ray = sys.modules["ray"]
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE \
+                and not ray.get_gpu_ids():
+            return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_info() -> dict:
+    """Which device this process computes on and which GPUs Ray gave it (``epd status``, tests)."""
+    import os
+
+    info = {"device": default_device(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpu_ids": []}
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        info["gpu_ids"] = [str(gpu) for gpu in sys.modules["ray"].get_gpu_ids()]
+    return info
 
 
 def nbytes(tensor: torch.Tensor) -> int:

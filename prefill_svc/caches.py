@@ -1,10 +1,10 @@
 """The prefill worker's two caches: vision embeddings (the in-process tier in front of Redis) and
 prompt prefixes (hybrid-model state snapshots at block boundaries).
 
-Both are ``ByteLRU``s: bounded in bytes, least recently used out first. The bookkeeping (hashing,
-which boundary to snapshot, what to evict) is plain Python; the only tensors held are the
-values themselves, and a snapshot is copied on the way in and on the way out so no request can
-change what another one reads.
+Both are bounded in bytes, least recently used out first. The bookkeeping (hashing, which
+boundary to snapshot, what to evict) is plain Python; the only tensors held are the values
+themselves, and a snapshot is copied on the way in and on the way out so no request can change
+what another one reads. Prefix snapshots share their K/V blocks (``PrefixCache``).
 
 Prefix keys are a chained sha256 over fixed-size blocks of prompt tokens. The root carries the
 model fingerprint and the block size; each block adds its token ids and, for every image
@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+import torch
 
 from epd.lm import HybridState
 from epd.positions import ImageSpan
@@ -142,12 +144,24 @@ def snapshot_points(prompt_len: int, block_size: int, every_blocks: int, last_tu
 
 
 class PrefixCache:
-    """Prompt-prefix snapshots keyed by chained block hash, bounded in bytes, LRU."""
+    """Prompt-prefix snapshots keyed by chained block hash, bounded in bytes, LRU, sharing blocks.
+
+    A snapshot at ``n`` blocks is the full-attention K/V of those blocks plus the linear-attention
+    state (conv window, recurrent state) at the boundary. The K/V is kept per block, by block hash,
+    with a count of the snapshots that use it: the snapshots of one conversation (every few blocks,
+    each turn's end) share every block they have in common, so a conversation costs its K/V once
+    plus one linear state per snapshot. The byte bound covers blocks and linear states together; an
+    insert first works out what it would add (only its blocks not held yet) and evicts least
+    recently used snapshots until that fits, and copies nothing when it cannot fit at all."""
 
     def __init__(self, capacity_bytes: int, block_size: int, every_blocks: int) -> None:
         self.block_size = block_size
         self.every_blocks = every_blocks
-        self._lru: ByteLRU[HybridState] = ByteLRU(capacity_bytes)
+        self.capacity_bytes = capacity_bytes
+        self._snapshots: OrderedDict[bytes, _Snapshot] = OrderedDict()  # by the last block's hash, LRU first
+        self._blocks: dict[bytes, _Block] = {}
+        self._num_bytes = 0
+        self._hits = self._misses = self._evictions = 0
         self._lookup_tokens = 0
         self._hit_tokens = 0
         self._lock = threading.Lock()
@@ -155,31 +169,126 @@ class PrefixCache:
     def lookup(self, hashes: Sequence[bytes], prompt_len: int) -> tuple[int, HybridState | None]:
         """The longest cached prefix that leaves at least one token to compute (the first token's
         logits need one): ``(num_tokens, a private copy of its state)`` or ``(0, None)``."""
-        found_len, found = 0, None
-        for block in range(min(len(hashes), (prompt_len - 1) // self.block_size), 0, -1):
-            state = self._lru.get(hashes[block - 1], count=False)
-            if state is not None:
-                found_len, found = block * self.block_size, state.clone()
-                break
-        self._lru.record(hit=found is not None)
         with self._lock:
+            found_len, parts = 0, None
+            for block in range(min(len(hashes), (prompt_len - 1) // self.block_size), 0, -1):
+                snapshot = self._snapshots.get(hashes[block - 1])
+                if snapshot is not None:
+                    self._snapshots.move_to_end(hashes[block - 1])
+                    found_len = block * self.block_size
+                    parts = (snapshot, [self._blocks[h] for h in hashes[:block]])
+                    break
+            self._hits += parts is not None
+            self._misses += parts is None
             self._lookup_tokens += prompt_len
             self._hit_tokens += found_len
-        return found_len, found
+        if parts is None:
+            return 0, None
+        return found_len, _assemble(*parts, found_len)  # tensors are never changed once held: no lock needed
 
-    def insert(self, block_hash: bytes, state: HybridState) -> None:
-        if block_hash in self._lru:
-            self._lru.get(block_hash, count=False)  # refresh its place in the LRU order
-            return
-        self._lru.put(block_hash, state.clone(), state.nbytes())
+    def insert(self, block_hashes: Sequence[bytes], state: HybridState) -> bool:
+        """Keep ``state`` (holding ``len(block_hashes)`` whole blocks) as the snapshot named by
+        its last block's hash. Returns whether it is held now."""
+        if not block_hashes or state.num_tokens != len(block_hashes) * self.block_size:
+            raise ValueError(f"a snapshot of {state.num_tokens} tokens is not {len(block_hashes)} whole blocks "
+                             f"of {self.block_size}")
+        key = block_hashes[-1]
+        block_bytes = _kv_bytes(state) // len(block_hashes)
+        linear_bytes = _linear_bytes(state)
+        with self._lock:
+            if key in self._snapshots:
+                self._snapshots.move_to_end(key)
+                return True
+            while True:
+                new = [h for h in block_hashes if h not in self._blocks]
+                cost = linear_bytes + len(new) * block_bytes
+                if self._num_bytes + cost <= self.capacity_bytes:
+                    break
+                if not self._snapshots:
+                    return False  # bigger than the whole cache: nothing was copied
+                self._evict_oldest()
+            # Only now, with room made, copy what is new: the linear state and the new blocks.
+            new_set = set(new)
+            for index, block_hash in enumerate(block_hashes):
+                if block_hash in new_set:
+                    self._blocks[block_hash] = _Block(_slice_block(state, index, self.block_size), block_bytes)
+                    new_set.discard(block_hash)
+                self._blocks[block_hash].users += 1
+            self._snapshots[key] = _Snapshot(list(block_hashes), _linear_copy(state), linear_bytes, len(state.keys))
+            self._num_bytes += cost
+            return True
 
     def wants(self, block_hash: bytes) -> bool:
-        return self._lru.capacity_bytes > 0 and block_hash not in self._lru
+        with self._lock:
+            return self.capacity_bytes > 0 and block_hash not in self._snapshots
+
+    def _evict_oldest(self) -> None:
+        _, snapshot = self._snapshots.popitem(last=False)
+        self._evictions += 1
+        self._num_bytes -= snapshot.linear_bytes
+        for block_hash in snapshot.block_hashes:
+            block = self._blocks[block_hash]
+            block.users -= 1
+            if block.users == 0:
+                del self._blocks[block_hash]
+                self._num_bytes -= block.num_bytes
 
     def stats(self) -> CacheStats:
-        return self._lru.stats()
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, len(self._snapshots), self._num_bytes,
+                              self.capacity_bytes)
+
+    def num_blocks(self) -> int:
+        """K/V blocks held (each shared by every snapshot that covers it)."""
+        with self._lock:
+            return len(self._blocks)
 
     def token_counts(self) -> tuple[int, int]:
         """(prompt tokens looked up, of those served from the cache) since start."""
         with self._lock:
             return self._lookup_tokens, self._hit_tokens
+
+
+@dataclass
+class _Block:
+    """One block's full-attention K/V: ``(layer, keys, values)`` for each full-attention layer,
+    ``[1, kv_heads, block_size, head_dim]``."""
+
+    kv: list[tuple[int, object, object]]
+    num_bytes: int
+    users: int = 0
+
+
+@dataclass
+class _Snapshot:
+    block_hashes: list[bytes]
+    linear: dict[str, object]  # "conv.L" / "recurrent.L" -> tensor at the boundary
+    linear_bytes: int
+    num_layers: int
+
+
+def _kv_bytes(state: HybridState) -> int:
+    return sum(t.numel() * t.element_size() for t in (*state.keys, *state.values) if t is not None)
+
+
+def _linear_bytes(state: HybridState) -> int:
+    return sum(t.numel() * t.element_size() for t in (*state.conv, *state.recurrent) if t is not None)
+
+
+def _slice_block(state: HybridState, index: int, block_size: int) -> list:
+    part = slice(index * block_size, (index + 1) * block_size)
+    return [(layer, keys[:, :, part].clone(), state.values[layer][:, :, part].clone())
+            for layer, keys in enumerate(state.keys) if keys is not None]
+
+
+def _linear_copy(state: HybridState) -> dict[str, object]:
+    return {name: tensor.clone() for name, tensor in state.named_tensors() if name.startswith(("conv.", "recurrent."))}
+
+
+def _assemble(snapshot: _Snapshot, blocks: list[_Block], num_tokens: int) -> HybridState:
+    """A new state (tensors of its own) from a snapshot's blocks and linear state."""
+    tensors = {name: tensor.clone() for name, tensor in snapshot.linear.items()}
+    for position, (layer, _, _) in enumerate(blocks[0].kv):
+        tensors[f"keys.{layer}"] = torch.cat([block.kv[position][1] for block in blocks], dim=2)
+        tensors[f"values.{layer}"] = torch.cat([block.kv[position][2] for block in blocks], dim=2)
+    return HybridState.from_named_tensors(snapshot.num_layers, num_tokens, tensors)

@@ -75,6 +75,32 @@ class PrefillJob:
         return self.progress.prompt_len - self.embeds.shape[0]
 
 
+class HeldBytes:
+    """The prefill worker's budget for the prompts it holds (queued, running, or waiting to hand
+    off), by the bytes each one's state and embeddings come to. ``take`` refuses with
+    RESOURCE_EXHAUSTED past the budget; a prompt bigger than the whole budget is taken only when
+    nothing else is held, so no prompt is refused here for ever (decode's pool bounds its size)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> None:
+        with self._lock:
+            if self.held and self.held + size > self.budget:
+                self.refused += 1
+                raise errors.ResourceExhausted(
+                    f"prefill: the prompts this worker holds take {self.held / MIB:.0f} MiB of its "
+                    f"{self.budget / MIB:.0f} MiB (prefill.max_held_mb); retry shortly or on another prefill worker")
+            self.held += size
+
+    def give_back(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+
+
 class PrefillEngine:
     def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore, config: PrefillConfig) -> None:
         self.runner = runner
@@ -85,6 +111,7 @@ class PrefillEngine:
         self.prefix = PrefixCache(self.config.prefix_cache_mb * MIB, self.config.prefix_block_size,
                                   self.config.snapshot_every_blocks)
         self._scheduler = PrefillScheduler(self.config.chunk_tokens, self.config.batch_tokens, self.config.max_wait_s)
+        self.held = HeldBytes(self.config.max_held_mb * MIB or _default_budget(runner))
         self._jobs: dict[PromptProgress, PrefillJob] = {}
         self._wake = threading.Condition()
         self._stopping = False
@@ -113,6 +140,13 @@ class PrefillEngine:
             self.cancel(job)
             raise
         return self._result(job, request, sampling)
+
+    def prompt_bytes(self, num_tokens: int) -> int:
+        """What one prompt of ``num_tokens`` tokens holds here at most: its state (K/V and the
+        linear-attention state) and its spliced embeddings."""
+        runner = self.runner
+        return (num_tokens * (runner.kv_bytes_per_token() + self.info.hidden_size * runner.dtype.itemsize)
+                + runner.slot_state_bytes())
 
     def submit(self, job: PrefillJob) -> PrefillJob:
         with self._wake:
@@ -301,9 +335,9 @@ class PrefillEngine:
         hidden = self.runner.forward_many(chunks)
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
-                block_hash = job.block_hashes[end // self.prefix.block_size - 1]
-                if self.prefix.wants(block_hash):
-                    self.prefix.insert(block_hash, job.state)
+                hashes = job.block_hashes[: end // self.prefix.block_size]
+                if self.prefix.wants(hashes[-1]):
+                    self.prefix.insert(hashes, job.state)
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
 
@@ -359,10 +393,26 @@ class PrefillEngine:
             gauge("epd_prefix_cache_capacity_bytes", "Byte cap of the prefix cache").add(pre.capacity_bytes),
             gauge("epd_prefix_cache_entries", "Prefix snapshots held").add(pre.num_entries),
             counter("epd_prefix_cache_evictions_total", "Prefix snapshots evicted").add(pre.evictions),
+            gauge("epd_prefix_cache_blocks", "K/V blocks the prefix snapshots hold (each shared by every snapshot "
+                  "that covers it)").add(self.prefix.num_blocks()),
             gauge("epd_prefill_waiting_prompts", "Prompts queued or part-way through their prefill").add(waiting),
+            gauge("epd_prefill_held_bytes", "Bytes the prompts this worker holds take (state and embeddings)")
+            .add(self.held.held),
+            gauge("epd_prefill_held_capacity_bytes", "The budget for them (prefill.max_held_mb)").add(self.held.budget),
+            counter("epd_prefill_refused_total", "Prompts refused with RESOURCE_EXHAUSTED: the budget was full")
+            .add(self.held.refused),
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
                     "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]
+
+
+def _default_budget(runner: TextModelRunner) -> int:
+    """A quarter of the memory available once the weights are loaded (the GPU's, or host RAM)."""
+    if runner.device.type == "cuda":
+        return int(torch.cuda.mem_get_info(runner.device)[0]) // 4
+    import psutil
+
+    return int(psutil.virtual_memory().available) // 4
 
 
 def _last_index(token_ids: list[int], token: int | None) -> int | None:

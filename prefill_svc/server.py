@@ -10,11 +10,12 @@ or stops it at its next chunk edge.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
 
-from epd import discovery, handoff, rpc
+from epd import discovery, errors, handoff, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
@@ -26,6 +27,8 @@ from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.wire import logprobs_to_proto, sampling_from_proto
 from prefill_svc.engine import PrefillEngine
 
+log = logging.getLogger(__name__)
+
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, decode: discovery.Targets) -> None:
@@ -36,6 +39,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
         sampling = sampling_from_proto(request.sampling)
+        size = self.engine.prompt_bytes(len(request.token_ids))
+        self.engine.held.take(size)  # RESOURCE_EXHAUSTED past prefill.max_held_mb, before any work
+        try:
+            return await self._prefill(request, sampling, context)
+        finally:
+            self.engine.held.give_back(size)
+
+    async def _prefill(self, request: epd_pb2.PrefillRequest, sampling, context) -> epd_pb2.PrefillResponse:
         result = await self.engine.run_async(request, sampling)
         reply = epd_pb2.PrefillResponse(
             first_token=result.first_token,
@@ -66,21 +77,32 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
 
 
     async def _hand_off(self, header: epd_pb2.HandoffHeader, state, context) -> str:
-        """Hand the state to the least busy decode worker; one whose waiting queue is full
-        (RESOURCE_EXHAUSTED) is passed over for the next, and while every one is full the state
-        waits here, retried with a growing pause, until the request's deadline: back-pressure
-        reaches this worker's own budget (``prefill.max_held_mb``) instead of decode's memory."""
+        """Hand the state to the least busy decode worker with room: a place is reserved first
+        (``Reserve``: a decode worker whose waiting queue is full says RESOURCE_EXHAUSTED and the
+        next is tried), then the bytes go to that worker. While every one is full the state waits
+        here, retried with a growing pause, until the request's deadline: back-pressure reaches
+        this worker's own budget (``prefill.max_held_mb``) instead of decode's memory."""
         pause = 0.02
         while True:
             try:
-                _, address = await self._decode.call("Handoff", lambda: handoff.chunks_async(header, state),
-                                                     timeout=context.time_remaining(), busy_next=True)
+                _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),
+                                                     busy_next=True)
+                await self._decode.stubs.get(address).Handoff(handoff.chunks_async(header, state),
+                                                              timeout=context.time_remaining(),
+                                                              metadata=self._decode.metadata)
                 return address
+            except grpc.aio.AioRpcError as error:  # the reserved worker failed under the handoff
+                if not rpc.peer_failed(error) and error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise rpc.RpcFailure.from_rpc_error(error, "decode") from None
+                log.warning("decode at %s failed the handoff of %s (%s); trying again", address,
+                            header.request_id, error.code().name)
             except rpc.RpcFailure as failure:
-                remaining = context.time_remaining()
-                if failure.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or (remaining is not None
-                                                                               and remaining < pause + 0.1):
+                if failure.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
+            remaining = context.time_remaining()
+            if remaining is not None and remaining < pause + 0.1:
+                raise errors.ResourceExhausted("prefill: every decode worker stayed full until the request's "
+                                               "deadline")
             self.waits += 1
             await asyncio.sleep(pause)
             pause = min(0.5, pause * 2)

@@ -50,8 +50,9 @@ MAX_STOP_CHARS = 1000
 class RouterCore:
     def __init__(self, config: RouterConfig, builder: PromptBuilder, store: EmbeddingStore,
                  encoder: discovery.Targets, prefill: discovery.Targets, decode: discovery.Targets,
-                 encoder_replicas: discovery.Balancer | None = None) -> None:
+                 encoder_replicas: discovery.Balancer | None = None, decode_batch_size: int = 32) -> None:
         self.config = config
+        self.decode_batch_size = decode_batch_size  # decode.max_batch_size: the derived queue bound's unit
         self.builder = builder
         self.store = store
         self.max_model_len = config.max_model_len or builder.info.max_position_embeddings
@@ -76,6 +77,16 @@ class RouterCore:
             balancers.append(self.encoder_replicas)
         return not self.refusing and all(b.num_available() > 0 for b in balancers)
 
+    def queue_limit(self) -> int:
+        """Requests allowed to wait for their first token (0: no limit): ``max_queued_requests``,
+        or when that is 0, twice the decode batch of every decode replica taking work."""
+        limit = self.config.max_queued_requests
+        if limit < 0:
+            return 0
+        if limit == 0:
+            return 2 * self.decode_batch_size * max(1, self.decode.balancer.num_available())
+        return limit
+
     # ---------------------------------------------------------------- the request path
 
     async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
@@ -84,11 +95,12 @@ class RouterCore:
         their first token. A client that leaves cancels the work wherever it is."""
         if self.refusing:
             raise errors.Unavailable("router: shutting down; send the request to another router")
-        limit = self.config.max_queued_requests
+        limit = self.queue_limit()
         if limit and self.waiting >= limit:
             self._count(refused=1)
             raise errors.ResourceExhausted(f"router: {self.waiting} requests are already waiting for their first "
-                                           f"token (limit {limit}); retry in a few seconds or on another router")
+                                           f"token (limit {limit}, router.max_queued_requests); retry in a few "
+                                           "seconds or on another router")
         task = asyncio.current_task()
         self.active.add(task)
         self.waiting += 1
@@ -304,7 +316,7 @@ class RouterCore:
 
     async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
-            reply, _ = await self.prefill.call("Prefill", job, run.remaining())
+            reply, _ = await self.prefill.call("Prefill", job, run.remaining(), busy_next=True)
             return reply
         except rpc.RpcFailure as failure:
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
@@ -314,7 +326,8 @@ class RouterCore:
         self._count(retried_prefills=1)
         inline = await self._ensure_embeddings(run, force=True)
         generated = list(job.token_ids[len(run.prompt.token_ids):])
-        reply, _ = await self.prefill.call("Prefill", self._prefill_job(run, inline, generated), run.remaining())
+        reply, _ = await self.prefill.call("Prefill", self._prefill_job(run, inline, generated), run.remaining(),
+                                           busy_next=True)
         return reply
 
     async def _relay(self, run: _Run, decode_addr: str, text: TextStream):
@@ -427,6 +440,8 @@ class RouterCore:
             gauge("epd_store_reachable", "1 while the embedding store answers").add(int(self.store.reachable)),
             gauge("epd_router_waiting_requests", "Requests accepted and not yet streaming their first token")
             .add(self.waiting),
+            gauge("epd_router_queue_limit", "Requests allowed to wait for their first token (0: no limit)")
+            .add(self.queue_limit()),
             gauge("epd_router_running_requests", "Requests this router carries").add(len(self.active)),
             counter("epd_requests_refused_total", "Requests refused by admission control (RESOURCE_EXHAUSTED)")
             .add(counts["refused"]),

@@ -78,12 +78,14 @@ class RouterServer(rpc.RoleServer):
         encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
         self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
                                                  context.poll_s)]
-        self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders)
+        self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders,
+                               decode_batch_size=serve.decode.max_batch_size)
         self.stats = RequestStats()
         self.servicer = RouterServicer(self.core, self.stats)
         self._serve([(epd_pb2_grpc.add_RouterServicer_to_server, self.servicer, "epd.v1.Router"), _REFLECTION],
                     context.host, rpc.public_transport(serve.security), config.port, healthy=self.core.serving,
-                    what="an API key (authorization: Bearer KEY)", max_receive_bytes=config.max_request_mb << 20)
+                    what="an API key (authorization: Bearer KEY)", max_receive_bytes=config.max_request_mb << 20,
+                    max_concurrent_rpcs=config.max_concurrent_rpcs)
         self.http = None
         if serve.http.port is not None:
             from router_svc.http import HttpFront, default_model_name

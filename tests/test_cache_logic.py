@@ -145,3 +145,81 @@ def test_prefill_config_bounds_name_the_field(field, value):
 def test_router_metrics_port_bound():
     with pytest.raises(ConfigError, match="router.metrics_port"):
         RouterConfig(metrics_port=-1)
+
+
+# ---------------------------------------------------------------- prefix snapshots share their blocks
+
+
+def _state(num_tokens: int, seed: int = 0):
+    """A two-layer hybrid state (layer 0 linear, layer 1 full attention) with random values."""
+    import torch
+
+    from epd.lm import HybridState
+
+    g = torch.Generator().manual_seed(seed)
+    state = HybridState.empty(2)
+    state.num_tokens = num_tokens
+    state.conv[0] = torch.randn(1, 8, 4, generator=g)
+    state.recurrent[0] = torch.randn(1, 2, 4, 4, generator=g)
+    state.keys[1] = torch.randn(1, 2, num_tokens, 8, generator=g)
+    state.values[1] = torch.randn(1, 2, num_tokens, 8, generator=g)
+    return state
+
+
+BLOCK = 4
+KV_BLOCK_BYTES = 2 * 2 * BLOCK * 8 * 4  # K and V, 2 heads, 4 tokens, dim 8, float32
+LINEAR_BYTES = (8 * 4 + 2 * 4 * 4) * 4
+
+
+def test_snapshots_of_one_conversation_share_their_blocks():
+    from prefill_svc.caches import PrefixCache
+
+    cache = PrefixCache(capacity_bytes=1 << 20, block_size=BLOCK, every_blocks=0)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    long_state = _state(24, seed=1)
+    short_state = _state(8, seed=1)  # its K/V is long_state's first two blocks
+    short_state.keys[1] = long_state.keys[1][:, :, :8].clone()
+    short_state.values[1] = long_state.values[1][:, :, :8].clone()
+    assert cache.insert(hashes[:2], short_state)
+    assert cache.insert(hashes, long_state)
+    assert cache.num_blocks() == 6  # not 2 + 6
+    assert cache.stats().num_bytes == 6 * KV_BLOCK_BYTES + 2 * LINEAR_BYTES
+    cached, state = cache.lookup(hashes, prompt_len=25)
+    assert cached == 24
+    assert state.keys[1].equal(long_state.keys[1]) and state.recurrent[0].equal(long_state.recurrent[0])
+    state.keys[1].zero_()  # a request's copy: changing it changes nothing held
+    state.recurrent[0].zero_()
+    _, again = cache.lookup(hashes, prompt_len=25)
+    assert again.keys[1].equal(long_state.keys[1]) and again.recurrent[0].equal(long_state.recurrent[0])
+    cached, state = cache.lookup(hashes[:3] + [b"x" * 32], prompt_len=17)  # diverges in block 3: the short one
+    assert cached == 8 and state.keys[1].equal(long_state.keys[1][:, :, :8])
+
+
+def test_evicting_a_snapshot_frees_only_blocks_no_other_snapshot_uses():
+    from prefill_svc.caches import PrefixCache
+
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    # Room for the 4 blocks of the long one and two linear states, not a third.
+    cache = PrefixCache(capacity_bytes=4 * KV_BLOCK_BYTES + 2 * LINEAR_BYTES, block_size=BLOCK, every_blocks=0)
+    assert cache.insert(hashes[:2], _state(8))
+    assert cache.insert(hashes, _state(16))
+    other = [bytes([100 + i]) * 32 for i in range(1)]
+    assert cache.stats().num_bytes == cache.capacity_bytes  # the long one added only its 2 new blocks
+    # The next one needs a block and a linear state: evicting the short snapshot frees its linear
+    # state only (the long one still uses its blocks), so the long one goes too.
+    assert cache.insert(other, _state(4, seed=2))
+    assert cache.stats().evictions == 2 and cache.num_blocks() == 1
+    assert cache.stats().num_bytes == KV_BLOCK_BYTES + LINEAR_BYTES
+    assert cache.lookup(hashes, prompt_len=17)[0] == 0
+    assert cache.lookup(other + [b"y" * 32], prompt_len=5)[0] == 4
+
+
+def test_a_snapshot_bigger_than_the_cache_is_not_copied_at_all():
+    from prefill_svc.caches import PrefixCache
+
+    cache = PrefixCache(capacity_bytes=KV_BLOCK_BYTES, block_size=BLOCK, every_blocks=0)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    assert not cache.insert(hashes, _state(12))
+    assert cache.stats().num_bytes == 0 and cache.num_blocks() == 0
+    with pytest.raises(ValueError, match="not 2 whole blocks"):
+        cache.insert(hashes[:2], _state(7))

@@ -40,3 +40,12 @@ def test_decode_step_rejects_a_missing_model(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "epd bench decode-step: error:" in err and "not a checkpoint directory" in err
+
+
+def test_the_preemption_bench_times_both_ways(tiny_model_dir):
+    from bench.preemption import measure
+
+    report = measure(tiny_model_dir, prompt_tokens=40, generated=20, repeats=1)
+    assert report["state_bytes"] > 0 and report["replay_computes_tokens"] == 20
+    assert report["swap_out_and_in_s"] > 0 and report["replay_prefill_s"] > 0
+    assert report["replay_over_swap"] == report["replay_prefill_s"] / report["swap_out_and_in_s"]

@@ -86,7 +86,7 @@ def _greedy(prompt: str, max_tokens: int, **sampling):
     return client.user_request(prompt, [], max_tokens=max_tokens, ignore_eos=True, **sampling)
 
 
-POOL_TOKENS = 32768
+POOL_TOKENS = 30720  # 30 MiB: below the model's 32,768-token window, so a request can fit one and not the other
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +142,12 @@ def test_a_request_near_the_window_among_31_short_ones_in_a_smaller_pool(long_st
 
 
 def test_a_request_that_can_never_fit_is_refused_before_prefill(long_stack, prompts):
-    prompt = prompts.make(random.Random(3), 32000)
+    prompt = prompts.make(random.Random(3), 30500)  # + 400 tokens: inside the window, more than the pool
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
-        client.generate(long_stack.address, _greedy(prompt, 700), timeout_s=120)
+        client.generate(long_stack.address, _greedy(prompt, 400), timeout_s=120)
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert f"K/V pool holds {POOL_TOKENS}" in caught.value.details()
+    assert f"K/V pool holds {POOL_TOKENS}" in caught.value.details(), caught.value.details()
     assert "decode.kv_cache_bytes" in caught.value.details()
     assert time.monotonic() - start < 10  # no 32k-token prefill ran
     ok = client.generate(long_stack.address, _greedy("still serving?", 4), timeout_s=60)
@@ -197,13 +197,10 @@ class HealthProbe:
 def test_overload_is_refused_cleanly_and_every_completed_answer_is_exact(small_stack, long_oracle, prompts):
     """Concurrent requests needing 4x the K/V pool for a while: every one either completes or is
     refused with RESOURCE_EXHAUSTED; decode preempts (counted), nothing dies, greedy answers match
-    transformers and seeded sampled ones match the same request run alone afterwards; every
-    role answers its health probe within 100 ms at the 99th percentile meanwhile."""
+    transformers and seeded sampled ones match the same request run alone afterwards."""
     addr = small_stack.address
     status = epd_status(ray_address(small_stack))
     pids = {role: [r["pid"] for r in replicas] for role, replicas in status["roles"].items()}
-    probe = HealthProbe([r["address"] for role in ("router", "prefill", "decode")
-                         for r in status["roles"][role]])
     rng = random.Random(11)
     texts = [prompts.make(rng, 200) for _ in range(6)]
     answer = 480
@@ -234,7 +231,6 @@ def test_overload_is_refused_cleanly_and_every_completed_answer_is_exact(small_s
         thread.start()
     for thread in threads:
         thread.join(timeout=OVERLOAD_S + 400)
-    p99 = probe.close()
     failures = [code for _, _, _, code in outcomes if code is not None and code is not grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert failures == []
     done = [(which, sampled, result) for which, sampled, result, _ in outcomes if result is not None]
@@ -253,4 +249,23 @@ def test_overload_is_refused_cleanly_and_every_completed_answer_is_exact(small_s
             alone[which] = client.generate(addr, _greedy(texts[which], answer, temperature=0.8, top_p=0.9,
                                                          seed=which), timeout_s=300).token_ids
         assert result.token_ids == alone[which]
+
+
+def test_every_role_answers_its_health_probe_within_100_ms_under_load(small_stack, prompts):
+    """While streams run and handoffs arrive (8 clients, long answers), grpc.health.v1 Check on the
+    router, prefill and decode answers within 100 ms at the 99th percentile: no event loop copies
+    tensors or waits on the decode engine's lock."""
+    status = epd_status(ray_address(small_stack))
+    probe = HealthProbe([r["address"] for role in ("router", "prefill", "decode") for r in status["roles"][role]])
+    rng = random.Random(5)
+    texts = [prompts.make(rng, 300) for _ in range(8)]
+    end = time.monotonic() + 15
+
+    def worker(text: str) -> None:
+        while time.monotonic() < end:
+            client.generate(small_stack.address, _greedy(text, 200), timeout_s=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(worker, texts))
+    p99 = probe.close()
     assert p99 and max(p99.values()) < 0.1, f"health probe p99 by address: {p99}"

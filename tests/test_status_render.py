@@ -74,3 +74,11 @@ def test_a_role_that_starts_no_more_replicas_says_why(capsys):
     assert "prefill: 1 of 2 serving" in lines, lines
     assert ("prefill: not starting more replicas: prefill replicas failed to start 3 times in a row, last: "
             "OSError: x (`epd scale` tries again)") in lines, lines
+
+
+def test_a_decode_replica_shows_its_kv_pool(capsys):
+    decode = _replica("decode-3", "serving")
+    decode["kv"] = {"blocks_used": 512, "blocks": 2048, "usage": 0.25, "capacity_tokens": 32768, "preemptions": 3,
+                    "swapped_bytes": 0}
+    lines = _lines(_status({"decode": [decode]}, {}, []), capsys)
+    assert any("decode-3" in line and "K/V 25% of 32768 tokens, 3 preempted" in line for line in lines)

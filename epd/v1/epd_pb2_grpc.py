@@ -273,6 +273,11 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Reserve = channel.unary_unary(
+                '/epd.v1.Decode/Reserve',
+                request_serializer=epd_dot_v1_dot_epd__pb2.HandoffHeader.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_epd__pb2.HandoffAck.FromString,
+                _registered_method=True)
         self.Handoff = channel.stream_unary(
                 '/epd.v1.Decode/Handoff',
                 request_serializer=epd_dot_v1_dot_epd__pb2.HandoffChunk.SerializeToString,
@@ -289,6 +294,15 @@ class DecodeServicer:
     """---------------------------------------------------------------- decode
 
     """
+
+    def Reserve(self, request, context):
+        """Before a handoff: hold a place for the request (its header, tensors not needed) in this
+        worker's waiting queue. RESOURCE_EXHAUSTED when the queue is full, INVALID_ARGUMENT when the
+        request could never fit the K/V pool. The place is held for a few seconds for the Handoff.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Handoff(self, request_iterator, context):
         """Prefill pushes a request's state: one header, then the tensors' raw bytes in chunks.
@@ -307,6 +321,11 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=epd_dot_v1_dot_epd__pb2.HandoffHeader.FromString,
+                    response_serializer=epd_dot_v1_dot_epd__pb2.HandoffAck.SerializeToString,
+            ),
             'Handoff': grpc.stream_unary_rpc_method_handler(
                     servicer.Handoff,
                     request_deserializer=epd_dot_v1_dot_epd__pb2.HandoffChunk.FromString,
@@ -329,6 +348,33 @@ class Decode:
     """---------------------------------------------------------------- decode
 
     """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Decode/Reserve',
+            epd_dot_v1_dot_epd__pb2.HandoffHeader.SerializeToString,
+            epd_dot_v1_dot_epd__pb2.HandoffAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Handoff(request_iterator,
