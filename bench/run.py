@@ -303,11 +303,13 @@ def merge_baseline(report: dict, with_roofline: bool) -> None:
         baseline["efficiency"] = _efficiency(report["roofline"], baseline["duration_s"])
     report.update(_comparison(report, baseline))
     report["ratios"] = ratios(report, baseline)
-    mine = [r["prompt_tokens"] for r in report["requests"]]
-    theirs = [r["prompt_tokens"] for r in baseline["requests"]]
-    # Both systems count the prompt of each request; a difference means they saw different inputs
-    # (a chat template or an image resize of their own), which the reader has to know.
-    report["prompt_tokens_match"] = mine == theirs
+    # Both systems count the prompt of each request; a difference in a first turn means they saw
+    # different inputs (a chat template or an image resize of their own), which the reader has to
+    # know. Later turns carry each system's own earlier answers, so they may differ.
+    def firsts(rows: list[dict]) -> list[tuple[int, int]]:
+        return [(r["conversation"], r["prompt_tokens"]) for r in rows if r["turn"] == 0 and not r["error"]]
+
+    report["prompt_tokens_match"] = firsts(report["requests"]) == firsts(baseline["requests"])
 
 
 class LoadSampler:
@@ -460,6 +462,6 @@ def format_report(report: dict) -> str:
                 [f"{key} {ratio(r[key])}" for key in ("throughput_tok_s", "goodput", "duration_s")]
                 + [f"{key[:-2]} p50 {ratio(r[key]['p50'])}" for key in LATENCY_KEYS]))
             if not report.get("prompt_tokens_match", True):
-                lines.append(f"  note: the two systems counted different prompt tokens for the same requests "
+                lines.append(f"  note: the two systems counted different prompt tokens for the same first turns "
                              f"({report['prompt_tokens_total']} and {base['prompt_tokens_total']} in all)")
     return "\n".join(lines)

@@ -118,7 +118,15 @@ def test_merge_gives_both_efficiencies_and_every_ratio():
     assert r["itl_s"]["p99"] == pytest.approx(report["itl_s"]["p99"] / report["baseline"]["itl_s"]["p99"])
     assert report["prompt_tokens_match"] is True
 
-    # No roofline (an open loop): no efficiency, the ratios all the same; a prompt counted
+    # A later turn carries each system's own answer: its prompt may differ without a flag.
+    later = [_rec(1, 0.0, 1.0, 5.0, 5, 90)], [_rec(1, 0.0, 1.0, 5.0, 5, 97)]
+    later[0][0].turn = later[1][0].turn = 1
+    report = {**summarize(mine + later[0], 10.0, slo), "baseline": {"name": "vllm",
+              **summarize(theirs + later[1], 4.0, slo)}}
+    bench_run.merge_baseline(report, with_roofline=False)
+    assert report["prompt_tokens_match"] is True
+
+    # No roofline (an open loop): no efficiency, the ratios all the same; a first turn counted
     # differently is flagged, and a baseline figure of 0 gives no ratio rather than a crash.
     theirs[1].prompt_tokens = 52
     report = {**summarize(mine, 10.0, slo), "baseline": {"name": "vllm", **summarize(theirs, 4.0, Slo(ttft_s=0.1))}}
@@ -145,7 +153,7 @@ def test_format_report_shows_both_systems_the_ratios_and_the_load():
     assert "load average during the run (1 min): 1.50 at start, mean 1.75, max 2.25; prompt tokens 40" in text
     assert "mean 2.05, max 2.50; prompt tokens 47" in text
     assert "epd / baseline: throughput_tok_s 0.500, goodput 0.500, duration_s 2.000, ttft p50 2.000" in text
-    assert "counted different prompt tokens for the same requests (40 and 47 in all)" in text
+    assert "counted different prompt tokens for the same first turns (40 and 47 in all)" in text
 
 
 def test_load_sampler_sees_the_load_during_the_block(monkeypatch):
