@@ -87,6 +87,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--decode-max-waiting-tokens", "serve.decode.max_waiting_tokens"),
     _flag("--decode-max-waiting-requests", "serve.decode.max_waiting_requests"),
     _flag("--preemption", "serve.decode.preemption"),
+    _flag("--stream-group-s", "serve.decode.stream_group_s"),
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
@@ -101,6 +102,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--router-metrics-port", "serve.router.metrics_port"),
     _flag("--prefill-metrics-port", "serve.prefill.metrics_port"),
     _flag("--decode-metrics-port", "serve.decode.metrics_port"),
+    _flag("--replica-wait-s", "serve.replica_wait_s"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
 )

@@ -49,7 +49,7 @@ class DecodeEngine:
             config.max_batch_size, self.pool,
             max_waiting_tokens=config.max_waiting_tokens or max(1, self.pool.capacity_tokens // 2),
             max_waiting_requests=config.max_waiting_requests or config.max_batch_size,
-            swap_bytes=0 if config.preemption == "replay" else (config.swap_space_bytes or kv_bytes),
+            swap_bytes=0 if config.preemption == "replay" else (config.swap_space_bytes or kv_bytes // 2),
             state_bytes=lambda tokens: tokens * runner.kv_bytes_per_token() + runner.slot_state_bytes())
         # owned by the loop thread, changed under the lock
         self._batch = DecodeBatch(runner, max_slots=config.max_batch_size, pool=self.pool)

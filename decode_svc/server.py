@@ -29,7 +29,6 @@ from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.wire import logprobs_to_proto, sampling_from_proto
 
-_MAX_BATCH_WAIT_S = 0.02  # how long a stream waits to group more tokens into one message
 
 
 class DecodeServicer(epd_pb2_grpc.DecodeServicer):
@@ -97,7 +96,7 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
             while not finished:
                 batch = [await events.get()]
                 if batch[-1].finish_reason is None:  # group what follows within a moment
-                    await asyncio.sleep(_MAX_BATCH_WAIT_S)
+                    await asyncio.sleep(self.engine.config.stream_group_s)
                     while not events.empty() and batch[-1].finish_reason is None:
                         batch.append(events.get_nowait())
                 finished = batch[-1].finish_reason is not None

@@ -16,6 +16,7 @@ later ones for ever.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -80,6 +81,7 @@ class EncoderEngine:
         self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
         self.max_batch_patches = config.max_batch_patches or (16384 if weight.device.type == "cuda" else 1)
         self.num_encoded = 0
+        self.num_joined = 0  # images another replica held the lease of: its result answered them
         self.num_batches = 0
         self.num_dropped = 0  # images cancelled before their forward
         self._jobs: dict[str, _Job] = {}  # the encodes this replica holds, by store key
@@ -104,10 +106,64 @@ class EncoderEngine:
     def ping(self) -> bool:
         return True
 
+    LEASE_S = 5.0  # an encode lease's expiry; the holder pushes it ahead every LEASE_S / 3 while it works
+    WAIT_POLL_S = 0.05  # how often an image whose encode another replica holds looks for the result
+    MAX_WAIT_S = 300.0
+
     def encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool = False) -> EncodeResult:
         """Encode one image and publish it to the store; the embedding also comes back in the
         result when ``inline`` or when the store cannot be reached. Bad input comes back as
-        ``error``, never raised."""
+        ``error``, never raised.
+
+        One vision forward per image across the deployment: before its forward the replica takes
+        the image's lease in the store (``EmbeddingStore.take_lease``). When another replica, of
+        any Encoder service, holds it, this one waits for that replica's result to appear in the
+        store and answers with it (``encode_s`` is the wait, nothing is computed); when the lease
+        goes without a result (its holder died: the lease expires within ``LEASE_S``) it tries to
+        take it itself. With ``inline`` (the store is out of reach) it encodes at once."""
+        if not inline:
+            joined = self._join_or_lease(store_key)
+            if joined is not None:
+                return joined
+            renewer = self._renew_while_encoding(store_key)
+            try:
+                return self._encode(store_key, data, max_pixels, inline)
+            finally:
+                renewer.set()
+                with contextlib.suppress(StoreUnavailable):
+                    self.store.release_lease(store_key, self.name)
+        return self._encode(store_key, data, max_pixels, inline)
+
+    def _join_or_lease(self, store_key: str) -> EncodeResult | None:
+        """None once this replica holds the lease (or the store is out of reach: encode anyway);
+        else the result another replica published."""
+        start = time.perf_counter()
+        try:
+            while time.perf_counter() - start < self.MAX_WAIT_S:
+                (found,) = self.store.get_many([store_key])
+                if found is not None:
+                    self.num_joined += 1
+                    return EncodeResult(store_key=store_key, num_tokens=found.tensor.shape[0],
+                                        grid_thw=tuple(found.grid_thw), encode_s=time.perf_counter() - start)
+                if self.store.take_lease(store_key, self.name, self.LEASE_S):
+                    return None
+                time.sleep(self.WAIT_POLL_S)
+        except StoreUnavailable:
+            return None
+        return None  # waited long enough for a holder that never finishes: compute it here
+
+    def _renew_while_encoding(self, store_key: str) -> threading.Event:
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self.LEASE_S / 3):
+                with contextlib.suppress(StoreUnavailable):
+                    self.store.renew_lease(store_key, self.name, self.LEASE_S)
+
+        threading.Thread(target=renew, name="encode-lease", daemon=True).start()
+        return done
+
+    def _encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool) -> EncodeResult:
         start = time.perf_counter()
         job = _Job(None, (0, 0, 0), Future())
         with self._jobs_lock:
@@ -194,7 +250,7 @@ class EncoderEngine:
 
     def stats(self) -> dict[str, int]:
         return {"num_encoded": self.num_encoded, "num_batches": self.num_batches, "num_dropped": self.num_dropped,
-                "pid": os.getpid()}
+                "num_joined": self.num_joined, "pid": os.getpid()}
 
 
 def next_batch(first, waiting: queue.Queue, max_patches: int) -> tuple[list, object | None]:

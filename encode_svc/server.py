@@ -30,9 +30,12 @@ class ReplicaPool:
     breakers, draining) is the ``Balancer``'s; this adds the single flight per key and the retry
     on another replica."""
 
-    def __init__(self, max_queued_per_replica: int = 0) -> None:
+    WAIT_POLL_S = 0.2
+
+    def __init__(self, max_queued_per_replica: int = 0, wait_s: float = 0.0) -> None:
         self.balancer = discovery.Balancer("encoder")
         self.max_queued_per_replica = max_queued_per_replica
+        self.wait_s = wait_s  # how long an image waits for a replica when none is left (a restart)
         self._in_flight: dict[str, _Flight] = {}
         self.num_retried = 0
         self.num_cancelled = 0
@@ -78,9 +81,17 @@ class ReplicaPool:
             flight.task.exception()  # retrieved: every waiter may have left
 
     async def _encode_somewhere(self, item: epd_pb2.EncodeItem) -> EncodeResult:
-        tried: set[str] = set()
+        tried: dict[str, str] = {}  # name -> the incarnation that failed this image
+        give_up = asyncio.get_running_loop().time() + self.wait_s
         while True:
-            name, endpoint = self.balancer.pick(exclude=tried)
+            try:
+                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
+            except errors.Unavailable:  # none left: wait for a restarted one (the caller's deadline bounds it)
+                left = give_up - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(self.WAIT_POLL_S, left))
+                continue
             ok = None
             try:
                 if self.balancer.suspect(name) and not await _answers(endpoint.handle):
@@ -95,7 +106,7 @@ class ReplicaPool:
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
                 ok = False
-                tried.add(name)
+                tried[name] = endpoint.incarnation
                 self.num_retried += 1
                 log.warning("encoder %s failed (%s); encoding %s on another replica", name, type(error).__name__,
                             item.store_key[-12:])
@@ -158,7 +169,7 @@ class EncodeServer(rpc.RoleServer):
     SERVING while at least one replica takes work."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
-        self.pool = ReplicaPool(serve.encode.max_queued_per_replica)
+        self.pool = ReplicaPool(serve.encode.max_queued_per_replica, serve.replica_wait_s)
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
                                               context.poll_s, self.pool.balancer.outstanding)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],

@@ -201,12 +201,19 @@ class DecodeConfig(LMConfig):
     swap (its state is copied to host memory and comes back bit for bit, while swap_space_bytes has
     room; replay past it) or replay (the router resumes it by a prefill of the prompt and its answer)."""
     swap_space_bytes: int = 0
-    """Host memory swapped-out requests may take in all; 0: as much as the K/V pool."""
+    """Host memory swapped-out requests may take in all; 0: half the K/V pool's bytes (on a CPU the roles
+    share host RAM: pool, swap space, waiting handoffs and prefill's budget stay below what is available)."""
+    stream_group_s: float = 0.02
+    """How long a token stream waits after a token to send the ones that follow in the same message
+    (fewer, larger messages; tokens then arrive in bursts, so inter-token latency shows the wait
+    while time per output token does not). A CPU step takes far longer than this; on a GPU lower it;
+    0: no wait (tokens already waiting still go together)."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_range(self.stream_group_s, 0, 1, "decode.stream_group_s")
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
         _check_range(self.kv_cache_bytes, 0, 1 << 50, "decode.kv_cache_bytes")
@@ -369,8 +376,13 @@ class ServeConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    replica_wait_s: float = 30.0
+    """How long a call waits for a replica of the role it needs when none is left (the only one
+    died and Ray is restarting it): the router's calls to every role, prefill's handoffs, the
+    Encoder service's images. Within the request's deadline; 0: fail at once with UNAVAILABLE."""
 
     def __post_init__(self) -> None:
+        _check_range(self.replica_wait_s, 0, 3600, "replica_wait_s")
         path = os.path.join(self.model_dir, "config.json")
         _check(os.path.isfile(path), "model_dir", f"{self.model_dir!r} is not a checkpoint directory (no config.json); "
                "create one with `epd model create --preset tiny --out DIR`")

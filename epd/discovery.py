@@ -22,6 +22,7 @@ not a failure that replica reported from behind it) is tried once on each other 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -346,6 +347,13 @@ class Balancer:
             self._last_pick[name] = self._picks
             return name, self._live[name]
 
+    def same_incarnation(self, tried: dict[str, str]) -> set[str]:
+        """The names in ``tried`` (name -> incarnation) whose replica is still that incarnation: a
+        replica Ray restarted since it failed may be tried again."""
+        with self._lock:
+            return {name for name, incarnation in tried.items()
+                    if name not in self._live or self._live[name].incarnation == incarnation}
+
     def any_allowed(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
         """Whether ``pick(exclude)`` would find a replica (without picking it)."""
         now = time.monotonic()
@@ -416,9 +424,12 @@ class Targets:
     """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
     least busy allowed replica and tries the others when the replica itself fails."""
 
+    WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
+
     def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext,
-                 transport: rpc.Transport) -> None:
+                 transport: rpc.Transport, wait_s: float = 0.0) -> None:
         self.role = role
+        self.wait_s = wait_s  # how long a call waits for a replica when none is left
         self.balancer = Balancer(role)
         self.stubs = rpc.StubCache(make_stub, transport)
         self.metadata = transport.metadata
@@ -431,12 +442,24 @@ class Targets:
         (reply, address). ``request_or_factory`` may be a callable that makes the request anew for
         each attempt (a client stream). ``busy_next``: a replica that answers RESOURCE_EXHAUSTED
         (full, not broken) is passed over for the next one too; when every one is full the last
-        answer is raised. Raises ``RpcFailure`` with the status (hop-prefixed) when the call fails
-        for another reason, or ``errors.Unavailable`` when no replica is left."""
-        tried: set[str] = set()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        answer is raised. When no replica is left (the only one died), the call waits up to
+        ``wait_s`` (and its timeout) for one to come back, a restarted replica included (it has a
+        new incarnation, so having failed before does not rule it out): a lone replica's restart is
+        a pause. Raises ``RpcFailure`` with the status (hop-prefixed) when the call fails for
+        another reason, or ``errors.Unavailable`` when no replica is left in time."""
+        tried: dict[str, str] = {}  # name -> the incarnation that failed this call
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         while True:
-            name, endpoint = self.balancer.pick(exclude=tried)
+            try:
+                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
+            except errors.Unavailable:
+                now = time.monotonic()
+                left = min(start + self.wait_s, deadline if deadline is not None else float("inf")) - now
+                if left <= 0 or (tried and not retry):
+                    raise
+                await asyncio.sleep(min(self.WAIT_POLL_S, left))
+                continue
             address = endpoint.address
             ok = None
             try:
@@ -449,8 +472,8 @@ class Targets:
             except grpc.aio.AioRpcError as error:
                 if error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and busy_next:
                     # Full, not failing: another replica may have room (neutral for the breaker).
-                    tried.add(name)
-                    if self.balancer.any_allowed(exclude=tried):
+                    tried[name] = endpoint.incarnation
+                    if self.balancer.any_allowed(exclude=self.balancer.same_incarnation(tried)):
                         continue
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 if not rpc.peer_failed(error):
@@ -458,7 +481,7 @@ class Targets:
                         self.balancer.stranded(name)
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 ok = False
-                tried.add(name)
+                tried[name] = endpoint.incarnation
                 if not retry:
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 log.warning("%s %s at %s failed (%s); trying another", self.role, name, address, error.details())
@@ -469,17 +492,17 @@ class Targets:
         self._watch.close()
 
 
-def encoder_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
+def encoder_targets(context: RoleContext, transport: rpc.Transport, wait_s: float = 0.0) -> Targets:
     """The Encoder service(s), as the router calls them."""
-    return Targets("encode", epd_pb2_grpc.EncoderStub, context, transport)
+    return Targets("encode", epd_pb2_grpc.EncoderStub, context, transport, wait_s)
 
 
-def prefill_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
-    return Targets("prefill", epd_pb2_grpc.PrefillStub, context, transport)
+def prefill_targets(context: RoleContext, transport: rpc.Transport, wait_s: float = 0.0) -> Targets:
+    return Targets("prefill", epd_pb2_grpc.PrefillStub, context, transport, wait_s)
 
 
-def decode_targets(context: RoleContext, transport: rpc.Transport) -> Targets:
-    return Targets("decode", epd_pb2_grpc.DecodeStub, context, transport)
+def decode_targets(context: RoleContext, transport: rpc.Transport, wait_s: float = 0.0) -> Targets:
+    return Targets("decode", epd_pb2_grpc.DecodeStub, context, transport, wait_s)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:

@@ -149,6 +149,34 @@ class EmbeddingStore:
         return {"used_memory": int(memory["used_memory"]), "maxmemory": int(memory.get("maxmemory", 0)),
                 "evicted_keys": int(stats.get("evicted_keys", 0)), "keys": int(keys)}
 
+    # ---------------------------------------------------------------- encode leases
+
+    _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+    _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
+              "else return 0 end")
+
+    @staticmethod
+    def lease_key(key: str) -> str:
+        return f"{key}:lease"
+
+    def take_lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        """One encode of ``key`` across the deployment: True when ``holder`` now holds the lease
+        (``SET NX`` with an expiry, so a holder that dies cannot keep it past ``ttl_s``)."""
+        return bool(self._call(lambda: self._redis.set(self.lease_key(key), holder, nx=True,
+                                                       px=max(1, int(ttl_s * 1000)))))
+
+    def renew_lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        """Push the lease's expiry ``ttl_s`` ahead, if ``holder`` still holds it."""
+        return bool(self._call(lambda: self._redis.eval(self._RENEW, 1, self.lease_key(key), holder,
+                                                        max(1, int(ttl_s * 1000)))))
+
+    def release_lease(self, key: str, holder: str) -> None:
+        """Give the lease back, if ``holder`` still holds it (never another holder's)."""
+        self._call(lambda: self._redis.eval(self._RELEASE, 1, self.lease_key(key), holder))
+
+    def lease_held(self, key: str) -> bool:
+        return bool(self._call(lambda: self._redis.exists(self.lease_key(key))))
+
     def delete(self, keys: Sequence[str]) -> int:
         return int(self._call(lambda: self._redis.delete(*keys))) if keys else 0
 

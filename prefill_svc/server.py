@@ -119,7 +119,7 @@ class PrefillServer(rpc.RoleServer):
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
         internal = rpc.internal_transport(serve.security)
-        self._decode = discovery.decode_targets(context, internal)
+        self._decode = discovery.decode_targets(context, internal, serve.replica_wait_s)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),
                       "epd.v1.Prefill")], context.host, internal,
                     healthy=lambda: self._decode.balancer.num_available() > 0)

@@ -72,8 +72,10 @@ class RouterServer(rpc.RoleServer):
                                      max_model_len=config.max_model_len, max_images=config.max_images_per_request,
                                      allow_special_tokens=config.allow_special_tokens)
         internal = rpc.internal_transport(serve.security)
-        self._targets = [discovery.encoder_targets(context, internal), discovery.prefill_targets(context, internal),
-                         discovery.decode_targets(context, internal)]
+        wait = serve.replica_wait_s
+        self._targets = [discovery.encoder_targets(context, internal, wait),
+                         discovery.prefill_targets(context, internal, wait),
+                         discovery.decode_targets(context, internal, wait)]
         store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
         encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
         self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,

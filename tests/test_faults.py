@@ -123,38 +123,66 @@ def _counts(url: str, family: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill", "encoder"])
-def test_a_lone_replica_killed_fails_fast_and_both_come_back(single, oracle, role):
-    """The only replica of a role dies: requests fail at once with UNAVAILABLE naming the role
-    (no hang, never INTERNAL), health says NOT_SERVING, and both recover on their own once Ray
-    has restarted the replica."""
+def test_a_lone_replica_killed_is_a_pause_and_both_come_back(single, oracle, role):
+    """The only replica of a role dies under a light load: the requests sent while Ray restarts it
+    wait for it (``--replica-wait-s``, within their deadline) and complete, token-identical to
+    transformers: 0 failed. Health says NOT_SERVING in the gap, and a request whose deadline is
+    shorter than the restart ends within it with DEADLINE_EXCEEDED or UNAVAILABLE naming the role
+    (never INTERNAL, never a hang)."""
     address = ray_address(single)
     replica = epd_status(address)["roles"][role][0]
+    results, failures, lock = [], [], threading.Lock()
+    stop = threading.Event()
+
+    def load(seed: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            image = make_image(128, 128, seed=seed * 1000 + n)  # fresh: the encoder must run
+            try:
+                result = client.generate(single.address, client.user_request("Back?", [image], max_tokens=6),
+                                         timeout_s=90)
+                with lock:
+                    results.append((image, result, time.monotonic()))
+            except grpc.RpcError as error:
+                with lock:
+                    failures.append((error.code(), error.details()))
+
+    threads = [threading.Thread(target=load, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
     os.kill(replica["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    started = time.monotonic()
+    try:  # a deadline shorter than any restart
+        client.generate(single.address, client.user_request("Too soon?", [make_image(96, 96, seed=7)],
+                                                            max_tokens=6), timeout_s=1.5)
+        short = None
+    except grpc.RpcError as error:
+        short = (time.monotonic() - started, error.code(), error.details())
     seen_not_serving = False
-    refusals = []
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         seen_not_serving |= not rpc.is_serving(single.address, timeout_s=2)
-        image = make_image(128, 128, seed=int(time.monotonic() * 1000))  # fresh: the encoder must run
-        started = time.monotonic()
-        try:
-            result = client.generate(single.address, client.user_request("Back?", [image], max_tokens=6),
-                                     timeout_s=60)
-        except grpc.RpcError as error:
-            refusals.append((time.monotonic() - started, error.code(), error.details()))
-            time.sleep(0.2)
-            continue
-        if refusals:  # answered again after the refusals: it recovered
-            assert result.token_ids == oracle.generate("Back?", [image], max_new_tokens=6)[0]
+        with lock:
+            after = [r for r in results if r[2] > killed + 0.5]
+        if len(after) >= 6 and seen_not_serving:
             break
-    else:
-        raise AssertionError(f"no recovery within 180 s: {refusals[-3:]}")
-    assert refusals, "the kill went unnoticed: no request was refused"
-    for took, code, details in refusals:
-        assert code is grpc.StatusCode.UNAVAILABLE and role in details, (code, details)
-        assert took < 15, f"a refusal took {took:.1f} s"
+        time.sleep(0.1)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failures == [], failures[:3]
+    assert len([r for r in results if r[2] > killed + 0.5]) >= 6, "no recovery: nothing completed after the kill"
+    for image, result, _ in results[-4:]:
+        assert result.token_ids == oracle.generate("Back?", [image], max_new_tokens=6)[0]
+    if short is not None:  # the restart may well have been quicker than 1.5 s
+        took, code, details = short
+        assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), (code, details)
+        assert took < 5, f"a request with a 1.5 s deadline took {took:.1f} s"
     assert seen_not_serving
-    rpc.wait_serving(single.address, timeout_s=3)  # health is re-read every 0.25 s: it follows at once
+    rpc.wait_serving(single.address, timeout_s=10)
     # The controller records the restart at its next probe round, which may come after the answer.
     def events() -> list[dict]:
         return [e for e in epd_status(address)["events"] if e["name"] == replica["name"]]
