@@ -32,7 +32,7 @@ from bench.workload import (
     WorkloadSpec,
     build_workload,
 )
-from epd.config import ConfigError, DeployConfig
+from epd.config import ConfigError, DeployConfig, redacted
 
 BASELINES = ("transformers", "vllm")
 
@@ -139,7 +139,9 @@ class BenchConfig:
         )
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
+        """The config as the report records it: no secret (the stack's API key and internal token
+        read ``***`` when set, a Redis URL keeps no password)."""
+        out = redacted(self)
         out.pop("api_key")
         out["image_sizes"] = [str(size) for size in self.image_sizes]
         out["model_dir"], out["dtype"] = self.model_dir, self.dtype

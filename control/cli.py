@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--config", default=None, metavar="TOML",
                         help="role resources and autoscaling (see deploy/roles.toml)")
     deploy.add_argument("--json", action="store_true", help="print the deployment's status as JSON")
+    deploy.add_argument("--allow-plaintext-internal", action="store_true",
+                        help="send the internal token between nodes without TLS (without this, epd deploy needs "
+                             "--internal-tls-ca/--internal-tls-cert/--internal-tls-key: a private network only)")
     _add_log_flags(deploy)
     deploy.set_defaults(func=_cmd_deploy, parser=deploy)
 
@@ -166,12 +169,16 @@ def _setup_logging(args) -> None:
 
 
 def _add_generate_parser(command) -> None:
+    from epd import limits
     from epd.config import RouterConfig
 
     gen = command("generate", help="send one request to a running router and stream the answer")
     gen.add_argument("--addr", required=True, type=_address, help="router HOST:PORT")
     what = gen.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", metavar="TEXT", help="one user turn (with --image files)")
+    what.add_argument("--prompt-file", metavar="FILE",
+                      help="the user turn read from FILE (UTF-8; - for stdin), for prompts too long for a command "
+                           "line (with --image files)")
     what.add_argument("--messages", metavar="FILE.json",
                       help='a conversation: [{"role": ..., "content": str | [{"type": "text", "text": ...}, '
                            '{"type": "image", "image"|"path": PATH}, {"type": "image_url", "image_url": {"url": '
@@ -181,26 +188,26 @@ def _add_generate_parser(command) -> None:
     gen.add_argument("--max-tokens", type=_int_in(1, 2**31 - 1), default=None, metavar="N",
                      help=f"tokens to generate at most (default: the server's, {router.default_max_tokens} unless it "
                           f"was started with --default-max-tokens; at most {router.max_tokens_limit})")
-    gen.add_argument("--temperature", type=_float_in(0, 1e6), default=None, metavar="X",
+    gen.add_argument("--temperature", type=_float_in(0, limits.MAX_TEMPERATURE), default=None, metavar="X",
                      help="sampling temperature; 0: greedy (default: 0)")
     gen.add_argument("--top-p", type=_float_in(0, 1), default=None, metavar="X",
                      help="nucleus sampling mass, (0, 1] (default: 1, off)")
-    gen.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=None, metavar="N",
+    gen.add_argument("--top-k", type=_int_in(0, limits.MAX_TOP_K), default=None, metavar="N",
                      help="sample from the N most likely tokens; 0: off (default: 0)")
-    gen.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, metavar="N",
+    gen.add_argument("--seed", type=_int_in(0, limits.MAX_SEED), default=None, metavar="N",
                      help="sampling seed (default: with --temperature > 0 the server picks one and reports it)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string, repeatable; the answer ends before it (default: none)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="keep generating past the end-of-sequence token (default: off)")
-    gen.add_argument("--logprobs", type=_int_in(0, 20), default=0, metavar="N",
+    gen.add_argument("--logprobs", type=_int_in(0, limits.MAX_LOGPROBS), default=0, metavar="N",
                      help="also return the N most likely tokens at each step with their log-probabilities, in the "
                           "--json line; 0: none (default: 0)")
     gen.add_argument("--enable-thinking", action="store_true",
                      help="render the chat template with thinking on (default: off)")
-    gen.add_argument("--max-pixels", type=_int_in(1, 2**63 - 1), default=None, metavar="N",
-                     help="lower the per-image pixel cap for this request (default: the model's, from its "
-                          "preprocessor_config.json)")
+    gen.add_argument("--max-pixels", type=_int_in(0, limits.MAX_PIXELS), default=None, metavar="N",
+                     help="lower the per-image pixel cap for this request; 0: the model's, as the server takes it "
+                          "(default: the model's, from its preprocessor_config.json)")
     gen.add_argument("--timeout", type=_float_in(0, 1e9), default=None, metavar="S",
                      help="seconds before giving up (default: no limit)")
     gen.add_argument("--json", action="store_true",
@@ -267,6 +274,7 @@ def _add_bench_parser(command) -> None:
                             "with --addr give its HOST:PORT, with --model the stack gets one)")
     stack = bench.add_argument_group("the local stack (with --model)")
     flags.add_flags(stack, flags.BENCH_STACK)
+    flags.add_secret_files(stack)  # and EPD_API_KEY, as epd serve reads it; the load sends the same key
     stack.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
     bench.set_defaults(func=_cmd_bench, parser=bench)
 
@@ -345,7 +353,9 @@ def _cmd_bench(args) -> int:
     from bench.run import BenchConfig, format_report, run_bench
     from epd.config import ConfigError
 
-    stack_flags = [f.option for f in flags.BENCH_STACK if hasattr(args, f.dest)] + (["--config"] if args.config else [])
+    stack_flags = [f.option for f in flags.BENCH_STACK if hasattr(args, f.dest)] + (["--config"] if args.config else []) \
+        + [option for option, value in (("--api-key-file", args.api_key_file),
+                                        ("--internal-token-file", args.internal_token_file)) if value]
     if args.addr and stack_flags:
         args.parser.error(f"{', '.join(stack_flags)} configure the local stack: use them with --model, not --addr")
     if args.baseline_threads and args.baseline != "transformers":
@@ -358,8 +368,9 @@ def _cmd_bench(args) -> int:
         stack = None
         if args.model:
             http = {"serve__http__port": 0} if args.api == "openai" else {}
+            # The stack takes the key epd serve would (EPD_API_KEY, --api-key-file), and the load sends it.
             stack = flags.with_secrets(flags.deploy_config(args, flags.BENCH_STACK, args.config,
-                                                           serve__model_dir=args.model, **http), args, {})
+                                                           serve__model_dir=args.model, **http), args, os.environ)
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
@@ -367,7 +378,8 @@ def _cmd_bench(args) -> int:
             turns=args.turns, seed=args.seed, baseline=args.baseline, json_path=args.json_path,
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
             warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
-            api_key=os.environ.get("EPD_API_KEY") or None, vllm_env=args.vllm_env,
+            api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
+            vllm_env=args.vllm_env,
         )
     except ConfigError as error:
         args.parser.error(str(error))
@@ -427,6 +439,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_serve(args) -> int:
     from control.local import LocalStack, StartError, StoppedElsewhere, wait_forever
+    from epd import logs
     from epd.config import ConfigError
 
     _setup_logging(args)
@@ -446,32 +459,32 @@ def _cmd_serve(args) -> int:
     failed = ""
     try:
         address = stack.start()
-        print(f"ray at {stack.ray_address} namespace {config.namespace}", flush=True)
+        say = logs.say  # the command's own lines: JSON too with --log-format json
+        say(f"ray at {stack.ray_address} namespace {config.namespace}")
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in stack.http_addresses():
-            print(f"epd http at {scheme}://{http}/v1", flush=True)
-        print(f"epd ready at {address}", flush=True)
+            say(f"epd http at {scheme}://{http}/v1")
+        say(f"epd ready at {address}")
         wait_forever(stack)
     except KeyboardInterrupt:
         pass
     except (DeploymentFailed, StartError, TimeoutError) as error:  # stop everything, say why in one line
         failed = _cause(error)  # (a role cannot start, Redis cannot be reached, replicas not serving in time)
     except StoppedElsewhere as error:  # `epd down`: its roles are gone; Ray and Redis go too
-        print(f"epd serve: {error}", file=sys.stderr, flush=True)
+        logs.say(f"epd serve: {error}", sys.stderr)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started = time.monotonic()
-        print("epd stopping: draining the routers" if stack.controller is not None else "epd stopping",
-              file=sys.stderr, flush=True)
+        logs.say("epd stopping: draining the routers" if stack.controller is not None else "epd stopping", sys.stderr)
         drained = stack.stop()
         if drained.get("in_flight"):
-            print(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
-                  f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", file=sys.stderr, flush=True)
-        print(f"epd stopped in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-        print("epd stopped", flush=True)
+            logs.say(f"epd drained {drained['in_flight']} request(s) in flight: {drained['finished']} finished, "
+                     f"{drained['cut']} cut at the {config.drain_timeout_s:g} s drain timeout", sys.stderr)
+        logs.say(f"epd stopped in {time.monotonic() - started:.1f} s", sys.stderr)
+        logs.say("epd stopped")
         if failed:
-            print(f"epd serve: stopped: {failed}", file=sys.stderr, flush=True)
+            logs.say(f"epd serve: stopped: {failed}", sys.stderr, level="ERROR")
     return 1 if failed else 0
 
 
@@ -543,6 +556,12 @@ def _cmd_deploy(args) -> int:
                                     os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
+    if not config.serve.security.internal_tls_ca and not args.allow_plaintext_internal:
+        # Every call between roles carries the internal token; across nodes without TLS anyone on
+        # the path reads it (and with it may call every internal service).
+        args.parser.error("calls between nodes would carry the internal token in clear: give --internal-tls-ca, "
+                          "--internal-tls-cert and --internal-tls-key, or --allow-plaintext-internal on a "
+                          "private network")
     _check_checkpoint(args, config.serve.model_dir)
     why = _tcp_probe(args.address, CONNECT_TIMEOUT_S)
     if why:  # else Ray's driver would retry for minutes
@@ -574,10 +593,13 @@ def _cmd_deploy(args) -> int:
         status = ray.get(handle.status.remote())
         scheme = "https" if config.serve.security.tls_cert else "http"
         for http in ray.get(handle.http_addresses.remote()):
-            print(f"epd http at {scheme}://{http}/v1", flush=True)
+            logs.say(f"epd http at {scheme}://{http}/v1")
         for address in ray.get(handle.router_addresses.remote()):
-            print(f"epd ready at {address}", flush=True)
-        print(json.dumps(status) if args.json else f"metrics at http://{status['metrics']}/metrics", flush=True)
+            logs.say(f"epd ready at {address}")
+        if args.json:
+            print(json.dumps(status), flush=True)
+        else:
+            logs.say(f"metrics at http://{status['metrics']}/metrics")
     finally:
         ray.shutdown()
     return 0
@@ -830,7 +852,10 @@ def _cmd_generate(args) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         logprobs=args.logprobs, enable_thinking=args.enable_thinking,
     )
-    on_text = lambda text: print(text, end="", flush=True)  # noqa: E731
+    # On a terminal the answer's control characters are shown escaped, not obeyed; a pipe or a file
+    # gets the text as it is (the --json line always carries it exactly).
+    shown = _shown_on(sys.stdout)
+    on_text = lambda text: print(shown(text), end="", flush=True)  # noqa: E731
     try:
         tls_ca = client.read_ca(args.tls_ca)
     except ValueError as error:
@@ -853,6 +878,7 @@ def _generate_messages(args) -> list:
     from epd import client
 
     if args.messages is None:
+        prompt = args.prompt if args.prompt_file is None else _read_prompt(args.prompt_file)
         images = []
         for path in args.image:
             try:
@@ -860,7 +886,7 @@ def _generate_messages(args) -> list:
                     images.append(f.read())
             except OSError as error:
                 raise ValueError(f"cannot read image {path}: {error.strerror}") from None
-        return list(client.user_request(args.prompt, images).messages)
+        return list(client.user_request(prompt, images).messages)
     if args.image:
         raise ValueError("--image goes with --prompt; put a conversation's images in its --messages file")
     try:
@@ -871,6 +897,47 @@ def _generate_messages(args) -> list:
     except json.JSONDecodeError as error:
         raise ValueError(f"{args.messages} is not valid JSON: {error}") from None
     return client.messages_from_json(data, os.path.dirname(os.path.abspath(args.messages)))
+
+
+def _read_prompt(path: str) -> str:
+    """``--prompt-file``: the file's text (``-``: stdin), UTF-8; ValueError in one line otherwise."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except OSError as error:
+        raise ValueError(f"--prompt-file: cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompt-file: {path} is not UTF-8 text (byte {error.start})") from None
+
+
+def _shown_on(stream):
+    """How the answer's text is written to ``stream``: escaped on a terminal, as it is elsewhere."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return terminal_text if tty else (lambda text: text)
+
+
+_BIDI = {0x200E, 0x200F, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069}
+
+
+def terminal_text(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (ESC and the rest of C0/C1, DEL)
+    and bidirectional overrides written as escapes (``\x1b``, ``\u202e``), so a model's answer
+    cannot move the cursor, recolour, retitle or reorder the terminal; newlines and tabs stay."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in "\n\t" or not (code < 0x20 or 0x7F <= code < 0xA0 or code in _BIDI):
+            out.append(char)
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return "".join(out)
 
 
 if __name__ == "__main__":

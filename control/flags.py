@@ -115,6 +115,8 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--media-fetch-timeout-s", "serve.http.media_fetch_timeout_s"),
     _flag("--media-max-mb", "serve.http.media_max_mb"),
     _flag("--media-max-redirects", "serve.http.media_max_redirects"),
+    _flag("--http-body-timeout-s", "serve.http.body_timeout_s"),
+    _flag("--http-max-open-requests", "serve.http.max_open_requests"),
 )
 SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
          _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)

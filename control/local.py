@@ -10,6 +10,7 @@ Ray down, and leaves no process behind.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -137,6 +138,8 @@ class LocalStack:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if os.environ.get(logs.FORMAT_ENV) == "json":
+            json_worker_output()
         self._ray_started = True
         self.ray_address = ray.get_runtime_context().gcs_address
 
@@ -176,16 +179,61 @@ class LocalStack:
 def quiet_ray_output() -> None:
     """Before Ray starts: what it prints on our terminal (or into the file our output goes to) says
     only what an operator needs. Each is Ray's own switch; a value the user set wins."""
-    # Ray colours the "(Actor pid=N)" prefix of forwarded lines; not when the output is a file or a pipe.
-    if not sys.stderr.isatty():
+    json_lines = os.environ.get(logs.FORMAT_ENV) == "json"
+    # Ray colours the "(Actor pid=N)" prefix of forwarded lines; not when the output is a file or a
+    # pipe, nor in JSON (an escape code would be part of the line).
+    if json_lines or not sys.stderr.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    # JSON lines must stay JSON: no prefix at all (each line names its role itself).
-    if os.environ.get(logs.FORMAT_ENV) == "json":
+    if json_lines:
+        # JSON lines must stay JSON: no prefix at all (each line names its role itself), and no
+        # "[repeated 3x across cluster]" summaries in place of lines Ray's dedup holds back.
         os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Token auth on, as Ray's default for a new local cluster, without its banner saying so.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     # A stack trace of the driver on SIGTERM, which is how `epd serve` is asked to stop.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
+def json_worker_output() -> None:
+    """With ``--log-format json``, every line Ray forwards to this driver is a JSON object: the
+    roles' own lines are already (``epd.logs.JsonFormatter``) and pass as they are; anything else a
+    worker process prints (a library's print, a crash's traceback) and Ray's own notices (a worker
+    that died, from the raylet) become ``epd.logs.json_line`` objects naming the process. Ray's
+    dedup is bypassed too: every line comes through, none is folded into a "repeated" summary."""
+    try:
+        from ray._private import worker
+    except ImportError:  # another Ray layout: its own printing stays
+        return
+
+    def emit(data, ignore_prefix: bool = False) -> None:
+        pid = data.get("pid")
+        if pid == "autoscaler":
+            return
+        sink = sys.stderr
+        role = data.get("actor_name") or data.get("task_name") or ("raylet" if pid == "raylet" else f"pid={pid}")
+        level = "WARNING" if pid == "raylet" else "INFO"
+        out = []
+        for line in data.get("lines", []):
+            text = line.rstrip("\n")
+            if not text.strip():
+                continue
+            if text.startswith("{"):
+                try:
+                    json.loads(text)
+                    out.append(text)
+                    continue
+                except ValueError:
+                    pass
+            out.append(logs.json_line(text, level, role=role, logger="ray" if pid == "raylet" else "output"))
+        if out:
+            print("\n".join(out), file=sink, flush=True)
+
+    worker.print_to_stdstream = emit  # the raylet's notices (listen_error_messages) print through it
+    dispatcher = worker.global_worker_stdstream_dispatcher
+    if any(name == "ray_print_logs" for name, _ in dispatcher.handlers):
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_print_logs", emit)  # same name: muting at exit still finds it
 
 
 def _mute_worker_output_at_exit() -> None:

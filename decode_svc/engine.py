@@ -33,7 +33,7 @@ from epd.config import DecodeConfig
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, sample
+from epd.sampling import SamplingConfig, TokenHistory, sample, stops_on
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,13 @@ class DecodeEngine:
                     "swapped_bytes": self.scheduler.swap_used}
 
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
-               sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1) -> None:
+               sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1,
+               history: TokenHistory | None = None) -> None:
         """A handed-off request; ``num_generated`` counts the tokens it already produced (the
-        last of them is ``first_token``): more than one when a request resumes elsewhere."""
+        last of them is ``first_token``): more than one when a request resumes elsewhere.
+        ``history``: what its penalties read (needed when ``sampling`` has one)."""
+        if sampling.needs_history and (history is None or len(history.generated) != num_generated):
+            raise ValueError(f"request {request_id} has a penalty: it needs its {num_generated} generated tokens")
         now = time.monotonic()
         request = DecodeRequest(
             request_id=request_id,
@@ -109,6 +113,7 @@ class DecodeEngine:
             deadline=now + max(0.0, deadline_unix - time.time()) if deadline_unix else float("inf"),
             num_generated=num_generated,
             resumed=num_generated > 1,
+            history=history,
         )
         with self._lock:
             self.scheduler.add(request)
@@ -250,8 +255,18 @@ class DecodeEngine:
                             request.num_generated)
                 self.scheduler.finish(request, FinishReason.ERROR)
                 continue
-            token, logprobs = sample(logits[row], request.sampling, step=request.num_generated)
+            try:
+                token, logprobs = sample(logits[row], request.sampling, step=request.num_generated,
+                                         history=request.history, eos_token_ids=self.eos_token_ids)
+            except Exception:  # noqa: BLE001 - a request's own sampling failure fails it alone, never the loop
+                log.exception("decode: sampling failed for %s at step %d", request.request_id, request.num_generated)
+                self.scheduler.finish(request, FinishReason.ERROR)
+                continue
+            if request.history is not None:
+                request.history.append(token)
             reason = self.scheduler.after_token(request, token, self.eos_token_ids)
+            if reason is not FinishReason.EOS and stops_on(request.sampling, token):
+                reason = FinishReason.STOP  # one of its stop_token_ids: it ends the request as EOS does
             request.publish(TokenEvent(token_id=token, logprobs=logprobs, finish_reason=reason))
             if reason is not None:
                 self.scheduler.finish(request, reason)

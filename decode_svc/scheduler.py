@@ -28,7 +28,7 @@ from decode_svc.blocks import BlockPool
 from epd import errors
 from epd.positions import decode_position
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, TokenLogprobs
+from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +71,7 @@ class DecodeRequest:
     admitted: int = -1  # admission order (the youngest is preempted first)
     resumed: bool = False  # it had produced tokens elsewhere before (a replay after a preemption or a death)
     swap_bytes: int = 0  # host memory its swapped-out state takes
+    history: TokenHistory | None = None  # what its penalties read (epd.sampling), None without one
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.sampling import history_for
 from epd.wire import logprobs_to_proto, sampling_from_proto
 
 
@@ -64,16 +65,20 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                     held = header.request_id
             received = await loop.run_in_executor(None, receiver.finish)
             header = received.header
+            sampling = sampling_from_proto(header.sampling)
+            if sampling.needs_history and len(header.generated_token_ids) != max(1, header.num_generated):
+                raise ValueError("handoff: the request has a penalty but its header lacks generated_token_ids")
             await loop.run_in_executor(None, functools.partial(
                 engine.submit,
                 request_id=header.request_id,
                 prompt_len=header.prompt_len,
                 rope_delta=header.rope_delta,
                 first_token=header.first_token,
-                sampling=sampling_from_proto(header.sampling),
+                sampling=sampling,
                 state=received.state,
                 deadline_unix=header.deadline_unix,
                 num_generated=max(1, header.num_generated),
+                history=history_for(sampling, header.prompt_token_set, header.generated_token_ids),
             ))
             held = ""
         finally:

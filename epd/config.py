@@ -82,6 +82,10 @@ class StoreConfig:
         _check_range(self.ttl_s, 1, 30 * 86400, "store.ttl_s")
         _check_range(self.max_memory_mb, 16, 1 << 20, "store.max_memory_mb")
 
+    def __repr__(self) -> str:  # the URL's password never reaches a log, an error or a report
+        return (f"StoreConfig(redis_url={redact_url(self.redis_url) if self.redis_url else None!r}, "
+                f"ttl_s={self.ttl_s!r}, max_memory_mb={self.max_memory_mb!r})")
+
 
 @dataclass(frozen=True)
 class EncodeConfig:
@@ -298,9 +302,22 @@ class HttpConfig:
     """Largest image an http(s) URL or a local file may bring, in MiB."""
     media_max_redirects: int = 3
     """Redirects followed per image URL (each hop is checked like the first)."""
+    body_timeout_s: float = 30.0
+    """Seconds a client may take to send a request body; slower: 408 and the connection is closed."""
+    max_open_requests: int = 0
+    """HTTP requests one router's front carries at once (reading, waiting, streaming); more are
+    answered 429 with Retry-After at once. 0: 4 x --max-queued-requests + 256 when that is set, else 4096."""
+
+    def open_requests_limit(self, max_queued_requests: int) -> int:
+        """``max_open_requests``, or the default derived from the router's queue bound."""
+        if self.max_open_requests:
+            return self.max_open_requests
+        return 4 * max_queued_requests + 256 if max_queued_requests else 4096
 
     def __post_init__(self) -> None:
         _check(self.port is None or 0 <= self.port <= 65535, "http.port", f"must be in [0, 65535], got {self.port}")
+        _check_range(self.body_timeout_s, 0.1, 3600, "http.body_timeout_s")
+        _check_range(self.max_open_requests, 0, 1 << 20, "http.max_open_requests")
         _check(self.served_model_name == "" or (self.served_model_name.isprintable() and
                                                 len(self.served_model_name) <= 256),
                "http.served_model_name", "must be printable and at most 256 characters")
@@ -395,6 +412,32 @@ class ServeConfig:
         if isinstance(positions, int) and self.router.max_model_len > positions:
             raise ConfigError(f"router.max_model_len: {self.router.max_model_len} is more than the model's "
                               f"max_position_embeddings ({positions})")
+
+
+def redacted(config) -> dict:
+    """``dataclasses.asdict(config)`` with every secret taken out: the API key and the internal
+    token become ``"***"`` when set (``""`` when not), a Redis URL loses its password. What reports
+    and logs print of a config (``epd bench --json``)."""
+    def scrub(value):
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if key in SECRET_FIELDS:
+                    out[key] = "***" if item else ""
+                elif key == "redis_url" and isinstance(item, str):
+                    out[key] = redact_url(item)
+                else:
+                    out[key] = scrub(item)
+            return out
+        if isinstance(value, (list, tuple)):
+            return type(value)(scrub(item) for item in value)
+        return value
+
+    return scrub(dataclasses.asdict(config))
+
+
+SECRET_FIELDS = frozenset({"api_key", "internal_token"})
+"""Config fields holding a secret (``SecurityConfig``): never printed, logged or written to a report."""
 
 
 # ---------------------------------------------------------------- deployment on a Ray cluster

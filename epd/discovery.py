@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from epd import errors, rpc
+from epd import errors, logs, rpc
 from epd.breaker import Breaker
 from epd.v1 import epd_pb2_grpc
 
@@ -432,9 +432,15 @@ class Targets:
         self.wait_s = wait_s  # how long a call waits for a replica when none is left
         self.balancer = Balancer(role)
         self.stubs = rpc.StubCache(make_stub, transport)
-        self.metadata = transport.metadata
+        self._metadata = transport.metadata
         self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
                                     self.balancer.outstanding)
+
+    @property
+    def metadata(self) -> tuple:
+        """What every call to this role sends: the transport's token, and the current request's id
+        (``epd.logs.with_request_id``), so a direct stub call carries it as ``call`` does."""
+        return logs.with_request_id(self._metadata)
 
     async def call(self, method: str, request_or_factory, timeout: float | None, retry: bool = True,
                    busy_next: bool = False):
@@ -465,8 +471,8 @@ class Targets:
             try:
                 request = request_or_factory() if callable(request_or_factory) else request_or_factory
                 remaining = None if deadline is None else max(0.05, deadline - time.monotonic())
-                reply = await getattr(self.stubs.get(address), method)(request, timeout=remaining,
-                                                                       metadata=self.metadata)
+                reply = await getattr(self.stubs.get(address), method)(
+                    request, timeout=remaining, metadata=self.metadata)  # token and request id
                 ok = True
                 return reply, address
             except grpc.aio.AioRpcError as error:

@@ -130,6 +130,17 @@ class Receiver:
             raise ValueError(f"handoff prompt_len is {header.prompt_len}; must be in [1, {max_len}]")
         if not 0 <= header.first_token < runner.vocab_size:
             raise ValueError(f"handoff first_token is {header.first_token}; the vocabulary has {runner.vocab_size}")
+        vocab = runner.vocab_size
+        named = [("stop_token_ids", header.sampling.stop_token_ids), ("logit_bias", header.sampling.logit_bias.keys()),
+                 ("generated_token_ids", header.generated_token_ids), ("prompt_token_set", header.prompt_token_set)]
+        for name, ids in named:
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"handoff {name} has a token id outside the vocabulary of {vocab}")
+        if header.generated_token_ids and len(header.generated_token_ids) != max(1, header.num_generated):
+            raise ValueError(f"handoff lists {len(header.generated_token_ids)} generated tokens for num_generated "
+                             f"{header.num_generated}")
+        if header.generated_token_ids and header.generated_token_ids[-1] != header.first_token:
+            raise ValueError("handoff generated_token_ids must end with first_token")
         # Decode's K/V grows by a token a step: the last position it would reach must exist.
         last = header.prompt_len + header.sampling.max_tokens - max(1, header.num_generated)
         if last > max_len:

@@ -21,6 +21,13 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("epd_request_id
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMAT_ENV, LEVEL_ENV, ROLE_ENV = "EPD_LOG_FORMAT", "EPD_LOG_LEVEL", "EPD_ROLE"
+REQUEST_ID_KEY = "x-epd-request-id"
+"""gRPC metadata that carries a request's one public id (``REQUEST_ID``) on every call between
+roles, so prefill's, decode's and the encoder's lines about it name the id the router's do, on
+every attempt (the internal per-attempt ids differ; a resumed request keeps this one)."""
+FIELDS = "epd_fields"
+"""``extra={FIELDS: {...}}`` on a record: structured fields (the access line's), top-level keys in
+JSON, ``key=value`` after the message in text."""
 SETUP_HOOK = "epd.logs.setup_worker"
 _KERNEL_FALLBACK = "falling back to its reference PyTorch implementation"
 
@@ -56,11 +63,39 @@ def _ray_actor_name() -> str:
         return ""
 
 
+def safe_id(text: str) -> str:
+    """A client's request id as logs and metadata may carry it: printable ASCII (anything else
+    escaped, so no id can forge a log line or break a call's metadata), at most 200 characters."""
+    text = text[:200]
+    return text if text.isascii() and text.isprintable() else text.encode("unicode_escape").decode("ascii")[:400]
+
+
+def with_request_id(metadata: tuple = ()) -> tuple:
+    """``metadata`` plus the current request's id (when one is set): what a call between roles sends."""
+    request_id = REQUEST_ID.get()
+    return (*metadata, (REQUEST_ID_KEY, request_id)) if request_id else tuple(metadata)
+
+
+def request_id_of(metadata) -> str:
+    """The request id a caller sent (``with_request_id``), printable and at most 200 characters; '' if none."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_KEY:
+            value = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            return value[:200] if value.isprintable() else ""
+    return ""
+
+
+def _fields_text(record: logging.LogRecord) -> str:
+    fields = getattr(record, FIELDS, None) or {}
+    return "".join(f" {key}={value}" for key, value in fields.items())
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
         request = f" [{record.request_id}]" if getattr(record, "request_id", "") else ""
-        text = f"{when} {record.levelname} {getattr(record, 'role', '-')}{request} {record.name}: {record.getMessage()}"
+        text = (f"{when} {record.levelname} {getattr(record, 'role', '-')}{request} {record.name}: "
+                f"{record.getMessage()}{_fields_text(record)}")
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
@@ -72,9 +107,27 @@ class JsonFormatter(logging.Formatter):
                  "level": record.levelname, "role": getattr(record, "role", ""),
                  "request_id": getattr(record, "request_id", ""), "logger": record.name,
                  "message": record.getMessage()}
+        for key, value in (getattr(record, FIELDS, None) or {}).items():
+            entry.setdefault(key, value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def json_line(message: str, level: str = "INFO", role: str = "epd", logger: str = "epd", **fields) -> str:
+    """One line in ``JsonFormatter``'s shape, for what a command prints itself (``epd ready at ...``)
+    and for output that did not come through logging (``control.local.json_worker_output``)."""
+    now = time.time()
+    entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
+             "level": level, "role": role, "request_id": "", "logger": logger, "message": message, **fields}
+    return json.dumps(entry, ensure_ascii=False)
+
+
+def say(message: str, stream=None, level: str = "INFO", fmt: str | None = None) -> None:
+    """Print one of the command's own lines (``epd ready at HOST:PORT``) on ``stream`` (stdout):
+    as it is in text, as a ``json_line`` when the log format is json, so every line parses."""
+    fmt = fmt or os.environ.get(FORMAT_ENV, "text")
+    print(json_line(message, level) if fmt == "json" else message, file=stream or sys.stdout, flush=True)
 
 
 class _OncePerProcess(logging.Filter):
@@ -108,6 +161,8 @@ def configure(level: str = "INFO", fmt: str = "text", role: str = "", stream=Non
     handler.addFilter(_Context(role))
     root.addHandler(handler)
     root.setLevel(level if level in LEVELS else "INFO")
+    if fmt == "json":
+        logging.captureWarnings(True)  # a library's warnings.warn is a JSON line too, not raw stderr
     kernels = logging.getLogger("transformers.integrations.hub_kernels")
     if not any(isinstance(f, _OncePerProcess) for f in kernels.filters):
         kernels.addFilter(_OncePerProcess())

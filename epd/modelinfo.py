@@ -20,6 +20,7 @@ class ModelInfo:
     max_position_embeddings: int
     hidden_size: int
     im_start_token_id: int | None = None  # <|im_start|>: where each chat turn begins (None if the tokenizer lacks it)
+    vocab_size: int = 0  # the language model's vocabulary (token ids a request may name are below it); 0: unknown
 
     def image_settings(self, max_decoded_pixels: int) -> imaging.ImageSettings:
         """The checkpoint's preprocessing settings (preprocessor_config.json) with the decode ceiling."""
@@ -39,6 +40,7 @@ class ModelInfo:
             max_position_embeddings=config.text_config.max_position_embeddings,
             hidden_size=config.text_config.hidden_size,
             im_start_token_id=_added_token_id(model_dir, "<|im_start|>"),
+            vocab_size=config.text_config.vocab_size,
         )
 
 

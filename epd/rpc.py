@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epd import errors
+from epd import errors, logs
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,74 @@ class InFlightCounter(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+class RequestContext(grpc.aio.ServerInterceptor):
+    """Every call a role serves runs with the request id its caller sent (``logs.REQUEST_ID_KEY``
+    metadata) as ``logs.REQUEST_ID``: whatever the handler logs names the request the router's
+    lines name, and the calls it makes on (prefill's handoff to decode) carry it on. Each call
+    ends with one DEBUG line: method, status, seconds."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith("/grpc."):
+            return handler
+        request_id = logs.request_id_of(handler_call_details.invocation_metadata)
+        name = method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, request_id, name))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, request_id, name))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, request_id, name))
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, request_id, name))
+
+    @staticmethod
+    def _done(name: str, context, started: float, error: BaseException | None) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            status = "CANCELLED"
+        elif error is not None and not isinstance(error, grpc.aio.AbortError):
+            status = status_of(error)[0].name
+        else:
+            code = context.code() if hasattr(context, "code") else None
+            status = "OK" if code in (None, grpc.StatusCode.OK, 0) else getattr(code, "name", str(code))
+        took = time.perf_counter() - started
+        log.debug("%s %s in %.3f s", name, status, took,
+                  extra={logs.FIELDS: {"method": name, "status": status, "duration_s": round(took, 6)}})
+
+    def _wrap_unary(self, behaviour: Callable, request_id: str, name: str) -> Callable:
+        async def wrapped(request, context):
+            if request_id:
+                logs.REQUEST_ID.set(request_id)
+            started, error = time.perf_counter(), None
+            try:
+                return await behaviour(request, context)
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                self._done(name, context, started, error)
+
+        return wrapped
+
+    def _wrap_stream(self, behaviour: Callable, request_id: str, name: str) -> Callable:
+        async def wrapped(request, context):
+            if request_id:
+                logs.REQUEST_ID.set(request_id)
+            started, error = time.perf_counter(), None
+            try:
+                async for item in behaviour(request, context):
+                    yield item
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                self._done(name, context, started, error)
+
+        return wrapped
+
+
 class RequireToken(grpc.aio.ServerInterceptor):
     """Refuses every call (health checks aside) that does not carry ``value`` in the metadata
     ``key`` with UNAUTHENTICATED. The public fronts check ``authorization: Bearer KEY`` (server
@@ -349,7 +417,7 @@ class RoleServer:
         self.shutting_down = False
         self.events = EventLoop(self._service_names[0].rsplit(".", 1)[-1].lower())
         self._in_flight = InFlightCounter()
-        interceptors = [*transport.interceptors(what), self._in_flight]
+        interceptors = [*transport.interceptors(what), self._in_flight, RequestContext()]
         self.server, self.port, self._health = self.events.run(_start_server(
             services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes,
             max_concurrent_rpcs))

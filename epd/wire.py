@@ -15,6 +15,13 @@ def sampling_to_proto(config: SamplingConfig) -> epd_pb2.ResolvedSampling:
         seed=config.seed,
         ignore_eos=config.ignore_eos,
         logprobs=config.logprobs,
+        stop_token_ids=list(config.stop_token_ids),
+        min_tokens=config.min_tokens,
+        logit_bias=dict(config.logit_bias),
+        min_p=config.min_p,
+        presence_penalty=config.presence_penalty,
+        frequency_penalty=config.frequency_penalty,
+        repetition_penalty=config.repetition_penalty,
     )
 
 
@@ -28,6 +35,13 @@ def sampling_from_proto(message: epd_pb2.ResolvedSampling) -> SamplingConfig:
         seed=message.seed,
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
+        stop_token_ids=tuple(message.stop_token_ids),
+        min_tokens=message.min_tokens,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
+        min_p=message.min_p,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
     )
 
 

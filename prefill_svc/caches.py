@@ -7,7 +7,7 @@ themselves, and a snapshot is copied on the way in and on the way out so no requ
 what another one reads. Prefix snapshots share their K/V blocks (``PrefixCache``).
 
 Prefix keys are a chained sha256 over fixed-size blocks of prompt tokens. The root carries the
-model fingerprint and the block size; each block adds its token ids and, for every image
+model fingerprint, the block size and the request's cache salt (if any); each block adds its token ids and, for every image
 overlapping the block, that image's store key (which already hashes the image bytes, the
 processor settings and the model) with its start index. Image placeholder tokens are the same
 for every image, so keying on tokens alone would serve one image's state to another.
@@ -110,9 +110,14 @@ class KeyedImage:
 
 
 def prefix_block_hashes(token_ids: Sequence[int], images: Sequence[KeyedImage], block_size: int,
-                        model_fingerprint: str) -> list[bytes]:
-    """One chained hash per *full* block: ``hashes[i]`` names the prefix ``token_ids[:(i+1)*block_size]``."""
-    digest = hashlib.sha256(f"epd-prefix-v1\0{model_fingerprint}\0{block_size}".encode()).digest()
+                        model_fingerprint: str, salt: str = "") -> list[bytes]:
+    """One chained hash per *full* block: ``hashes[i]`` names the prefix ``token_ids[:(i+1)*block_size]``.
+    A ``salt`` (the request's ``cache_salt``) goes into the root: only requests with the same salt
+    share entries."""
+    root = f"epd-prefix-v1\0{model_fingerprint}\0{block_size}"
+    if salt:
+        root += f"\0salt\0{len(salt)}\0{salt}"
+    digest = hashlib.sha256(root.encode()).digest()
     hashes: list[bytes] = []
     for block in range(len(token_ids) // block_size):
         start, end = block * block_size, (block + 1) * block_size

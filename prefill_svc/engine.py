@@ -28,7 +28,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, TokenLogprobs, sample
+from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs, history_for, sample, stops_on
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
@@ -171,7 +171,8 @@ class PrefillEngine:
     def _result(self, job: PrefillJob, request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> PrefillResult:
         """Sample the next token; for a resumed request it is token number ``num_generated``."""
         step = request.num_generated
-        token, logprobs = sample(job.logits, sampling, step=step)
+        token, logprobs = sample(job.logits, sampling, step=step, history=request_history(request, sampling),
+                                 eos_token_ids=self.info.eos_token_ids)
         return PrefillResult(
             first_token=token,
             logprobs=logprobs,
@@ -197,7 +198,8 @@ class PrefillEngine:
         prompt_len = len(token_ids) - request.num_generated
         spans = positions.find_image_spans(token_ids[:prompt_len], self.info.image_token_id, grids)
         images = [KeyedImage(span, ref.store_key) for span, ref in zip(spans, request.images)]
-        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint)
+        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
+                                     request.cache_salt)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
         needed = [index for index, span in enumerate(spans) if span.end > cached]
         read_start = time.perf_counter()
@@ -279,6 +281,8 @@ class PrefillEngine:
         """Why the request ends with ``token`` (the answer's token number ``num_generated``), if it does."""
         if token in self.info.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.EOS
+        if stops_on(sampling, token):
+            return FinishReason.STOP
         if num_generated + 1 >= sampling.max_tokens:
             return FinishReason.LENGTH
         return None
@@ -404,6 +408,13 @@ class PrefillEngine:
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
                     "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]
+
+
+def request_history(request: epd_pb2.PrefillRequest, sampling: SamplingConfig) -> TokenHistory | None:
+    """What the penalties read for the token prefill samples: the prompt, and the answer so far
+    (the last ``num_generated`` token ids of a resumed request)."""
+    prompt_len = len(request.token_ids) - request.num_generated
+    return history_for(sampling, request.token_ids[:prompt_len], request.token_ids[prompt_len:])
 
 
 def _default_budget(runner: TextModelRunner) -> int:

@@ -24,6 +24,7 @@ from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
 from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
+from epd.sampling import check_vocab
 from epd.wire import logprobs_to_proto, sampling_from_proto
 from prefill_svc.engine import PrefillEngine
 
@@ -39,6 +40,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
         sampling = sampling_from_proto(request.sampling)
+        check_vocab(sampling, self.engine.runner.vocab_size)
         size = self.engine.prompt_bytes(len(request.token_ids))
         self.engine.held.take(size)  # RESOURCE_EXHAUSTED past prefill.max_held_mb, before any work
         try:
@@ -70,6 +72,11 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             deadline_unix=request.deadline_unix,
             num_generated=request.num_generated + 1,
         )
+        if sampling.needs_history:  # what decode's penalties read: the answer so far, and the prompt's tokens
+            prompt_len = len(request.token_ids) - request.num_generated
+            header.generated_token_ids.extend([*request.token_ids[prompt_len:], result.first_token])
+            if sampling.needs_prompt:
+                header.prompt_token_set.extend(sorted(set(request.token_ids[:prompt_len])))
         reply.decode_addr = await self._hand_off(header, result.state, context)
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()

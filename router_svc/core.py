@@ -13,7 +13,9 @@ What may fail, and what happens (``docs/RELIABILITY.md``):
   same sampling state, another decode worker continues; the client sees no gap and no repeat;
 - the store: embeddings travel inline in the Encode reply and the Prefill request instead.
 Internal request ids are made here (unique per deployment, per attempt); a client's id is only
-echoed in the summary.
+echoed in the summary. The public id (``epd.logs.REQUEST_ID``: the client's, ``chatcmpl-...``, or a
+fresh one) travels in every call's metadata, the same on every attempt, so each role's log lines
+about the request name it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from epd import discovery, errors, rpc
+from epd import discovery, errors, limits, logs, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig
+from epd.sampling import MAX_TOKEN_LIST, SamplingConfig, check_vocab
 from epd.store import EmbeddingStore, StoreUnavailable
 from epd.v1 import epd_pb2
 from epd.wire import sampling_to_proto
@@ -45,6 +47,7 @@ MAX_RESUMES = 8  # a request moves to another decode worker at most this often
 STAGES = ("tokenize", "encode", "prefill", "decode")
 MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
 MAX_STOP_CHARS = 1000
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class RouterCore:
@@ -89,10 +92,13 @@ class RouterCore:
 
     # ---------------------------------------------------------------- the request path
 
-    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None) -> AsyncIterator[epd_pb2.GenerateResponse]:
+    async def generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None,
+                       on_accepted: Callable[[], None] | None = None) -> AsyncIterator[epd_pb2.GenerateResponse]:
         """The request's stream of chunks, then its summary. Refused at once (nothing is queued)
         while the router shuts down, or when ``max_queued_requests`` requests already wait for
-        their first token. A client that leaves cancels the work wherever it is."""
+        their first token. A client that leaves cancels the work wherever it is. ``on_accepted``
+        is called once the request has passed every check (before encode and prefill): the HTTP
+        front starts a stream's response then, not at the first token."""
         if self.refusing:
             raise errors.Unavailable("router: shutting down; send the request to another router")
         limit = self.queue_limit()
@@ -106,7 +112,7 @@ class RouterCore:
         self.waiting += 1
         run = _Run(client_id=request.request_id)
         try:
-            async for event in self._generate(request, timeout_s, run):
+            async for event in self._generate(request, timeout_s, run, on_accepted):
                 if run.stage != "decode":
                     run.stage = "decode"  # the first chunk: streaming, no longer waiting
                     self.waiting -= 1
@@ -121,15 +127,27 @@ class RouterCore:
                 self.waiting -= 1
             self.active.discard(task)
 
-    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run):
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run,
+                        on_accepted: Callable[[], None] | None = None):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt may be at most {MAX_CACHE_SALT_CHARS} characters, got {len(request.cache_salt)}")
+        run.cache_salt = request.cache_salt
         max_pixels = request.max_pixels if request.HasField("max_pixels") else None
         loop = asyncio.get_running_loop()
-        run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
-                                                         request.enable_thinking)
+        if request.prompt or request.prompt_token_ids:  # a completion: no template, no images
+            if request.messages:
+                raise ValueError("send messages (a chat) or prompt / prompt_token_ids (a completion), not both")
+            run.prompt = prompt = await loop.run_in_executor(None, self.builder.build_completion, request.prompt,
+                                                             request.prompt_token_ids)
+        else:
+            run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
+                                                             request.enable_thinking)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
+        if on_accepted is not None:
+            on_accepted()
 
         run.stage = "encode"
         inline = await self._ensure_embeddings(run, force=False)
@@ -139,9 +157,13 @@ class RouterCore:
         run.unclaimed_decode = reply.decode_addr
         ttft = time.perf_counter() - start
 
-        text = TextStream(self.builder.tokenizer, list(request.sampling.stop))
-        yield _chunk([reply.first_token], text.add([reply.first_token]),
-                     [reply.first_logprobs] if sampling.logprobs else [])
+        text = TextStream(self.builder.tokenizer, list(request.sampling.stop), min_tokens=sampling.min_tokens)
+        first = _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
+                       [reply.first_logprobs] if sampling.logprobs else [])
+        first.chunk.prompt_tokens = len(prompt.token_ids)
+        if request.return_prompt_token_ids:
+            first.chunk.prompt_token_ids.extend(prompt.token_ids)
+        yield first
         finish = reply.finish_reason if reply.finished else ""
         if text.stopped and not finish:
             finish = FinishReason.STOP.value
@@ -156,8 +178,14 @@ class RouterCore:
         if tail:
             yield _chunk([], tail, [])
         self._count(encoded=len(run.encoded), prefix_tokens=reply.cached_tokens)
+        stop_reason = {}
+        if finish == FinishReason.STOP.value and text.stopped:
+            stop_reason = {"stop_string": text.matched}
+        elif finish == FinishReason.STOP.value and text.stop_token is not None:
+            stop_reason = {"stop_token_id": text.stop_token}
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
-            request_id=request.request_id or run.request_id,
+            **stop_reason,
+            request_id=request.request_id or logs.REQUEST_ID.get() or run.request_id,  # the id the logs name
             prompt_tokens=len(prompt.token_ids),
             image_tokens=prompt.num_image_tokens,
             completion_tokens=len(text.token_ids),
@@ -186,8 +214,12 @@ class RouterCore:
         if max_tokens > self.config.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit}, got {max_tokens}")
         temperature = params.temperature if params.HasField("temperature") else 0.0
+        limits.check_temperature(temperature)  # the bound every front and epd generate share
         seed = params.seed if params.HasField("seed") else (secrets.randbits(63) if temperature > 0 else 0)
-        return SamplingConfig(
+        if len(params.logit_bias) > MAX_TOKEN_LIST or len(params.stop_token_ids) > MAX_TOKEN_LIST:
+            # before the lists are copied and sorted
+            raise ValueError(f"stop_token_ids and logit_bias may list at most {MAX_TOKEN_LIST} tokens each")
+        config = SamplingConfig(
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=params.top_p if params.HasField("top_p") else 1.0,
@@ -195,7 +227,17 @@ class RouterCore:
             seed=seed,
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs,
+            stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids)),
+            min_tokens=params.min_tokens,
+            logit_bias=tuple(sorted(params.logit_bias.items())),
+            min_p=params.min_p if params.HasField("min_p") else 0.0,
+            presence_penalty=params.presence_penalty if params.HasField("presence_penalty") else 0.0,
+            frequency_penalty=params.frequency_penalty if params.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
         )
+        if self.builder.info.vocab_size:
+            check_vocab(config, self.builder.info.vocab_size)
+        return config
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len >= self.max_model_len:
@@ -312,6 +354,7 @@ class RouterCore:
             sampling=sampling_to_proto(run.sampling),
             deadline_unix=run.deadline,
             num_generated=len(generated),
+            cache_salt=run.cache_salt,
         )
 
     async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
@@ -336,12 +379,13 @@ class RouterCore:
         the same worker, once it has room) and go on exactly where the stream stopped."""
         while True:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
-                                                             timeout=run.remaining(), metadata=self.decode.metadata)
+                                                             timeout=run.remaining(),
+                                                             metadata=self.decode.metadata)
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 preempted = False
                 async for batch in call:
-                    delta = text.add(batch.token_ids)
+                    delta = text.add(batch.token_ids, ends=batch.finish_reason == FinishReason.STOP.value)
                     kept = text.consumed  # all of the batch, or up to the token that completed a stop string
                     yield _chunk(batch.token_ids[:kept], delta, batch.logprobs[:kept] if run.sampling.logprobs else [])
                     if text.stopped:
@@ -368,7 +412,7 @@ class RouterCore:
             finally:
                 call.cancel()  # a stop string or a departed client frees the decode slot now
             # The resumed step sampled the next token in prefill; decode goes on from there.
-            yield _chunk([reply.first_token], text.add([reply.first_token]),
+            yield _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
                          [reply.first_logprobs] if run.sampling.logprobs else [])
             if reply.finished:
                 yield reply.finish_reason
@@ -473,6 +517,7 @@ class _Run:
     prompt: Prompt
     sampling: SamplingConfig
     deadline: float
+    cache_salt: str = ""
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id
@@ -491,6 +536,12 @@ class _Run:
 def _stage_timings(reply: epd_pb2.PrefillResponse) -> epd_pb2.StageTimings:
     return epd_pb2.StageTimings(store_read_s=reply.store_read_s, prefill_s=reply.prefill_s,
                                 handoff_s=reply.handoff_s, handoff_bytes=reply.handoff_bytes, queue_s=reply.queue_s)
+
+
+def _stop_token(reply: epd_pb2.PrefillResponse) -> bool:
+    """Prefill's token ended the request as one of its ``stop_token_ids`` (prefill and decode say
+    "stop" for nothing else: stop strings are the router's)."""
+    return reply.finished and reply.finish_reason == FinishReason.STOP.value
 
 
 def _chunk(token_ids, text: str, logprobs) -> epd_pb2.GenerateResponse:

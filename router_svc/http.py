@@ -27,7 +27,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from starlette.applications import Starlette
@@ -35,8 +35,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from epd import logs, rpc
-from epd.config import HttpConfig
+from epd import limits, logs, rpc
+from epd.config import HttpConfig, RouterConfig
 from epd.metrics import render
 from epd.v1 import epd_pb2
 from router_svc.core import RouterCore
@@ -45,12 +45,22 @@ from router_svc.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = limits.MAX_LOGPROBS
+MAX_CHOICES = 16  # n: each choice is a request of its own
+OFF_LOOP_BYTES = 256 * 1024
+"""A JSON body or data: URL at least this large is parsed on the loop's executor, not on the loop."""
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
-    "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
+    "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
+}
+# POST /v1/completions' fields (the legacy API; None counts as absent).
+COMPLETION_FIELDS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
+    "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -60,8 +70,6 @@ try:
     VERSION = importlib.metadata.version("epd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
     VERSION = "unknown"
-# Accepted only at the value that means "off" (some clients always send them).
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -78,6 +86,7 @@ HTTP_STATUS = {
 
 # The status label of a request the HTTP front refused itself (requests_total counts them as the gRPC front would).
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                408: "DEADLINE_EXCEEDED",
                 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
                 504: "DEADLINE_EXCEEDED"}
 
@@ -116,13 +125,30 @@ class ChatOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     token_ids: bool = False
+    n: int = 1  # choices: n requests run concurrently (seeds seed, seed + 1, ...)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+
+
+@dataclass(frozen=True)
+class CompletionOptions:
+    """What shapes a (legacy) completion's response."""
+
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # the legacy integer: alternatives per token (0: the sampled token's only)
+    echo: str = ""  # the prompt's text, put before the completion (echo: true)
+    token_ids: bool = False
+    prompt_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    continuous_usage: bool = False
 
 
 class HttpFront:
     def __init__(self, core: RouterCore, config: HttpConfig, model_name: str, api_key: str,
                  healthy: Callable[[], bool], stats: RequestStats,
                  metrics: Callable[[], list] | None = None, tls_cert: str = "", tls_key: str = "",
-                 max_request_mb: int = 64) -> None:
+                 max_request_mb: int = 64, max_images: int | None = None, max_open_requests: int = 4096,
+                 max_tokens_limit: int | None = None) -> None:
         self.core, self.config, self.model_name = core, config, model_name
         self.tls = (tls_cert, tls_key) if tls_cert and tls_key else None  # the public gRPC port's certificate
         self.read_metrics = metrics
@@ -130,9 +156,16 @@ class HttpFront:
         self.healthy, self.stats = healthy, stats
         self.media = MediaLoader(config)
         self.max_body = max_request_mb << 20  # the Router's cap (--max-request-mb), as on the gRPC port
+        # max_tokens' bound is the deployment's (--max-tokens-limit), the one the gRPC front applies.
+        self.max_tokens_limit = max_tokens_limit if max_tokens_limit is not None else RouterConfig().max_tokens_limit
         self.created = int(time.time())
-        self.app = Starlette(routes=[
+        # Counted before any image URL is fetched: the request path would refuse more anyway.
+        self.max_images = max_images if max_images is not None else RouterConfig().max_images_per_request
+        self.max_open_requests = max_open_requests
+        self.open_requests = 0
+        self.starlette = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -144,6 +177,26 @@ class HttpFront:
         self.server = None
         self._task: asyncio.Task | None = None
         self.port = 0
+
+    async def app(self, scope, receive, send) -> None:
+        """The ASGI app uvicorn serves: Starlette's routes behind the open-request cap. Past
+        ``max_open_requests`` a request is answered 429 with Retry-After before anything of it is
+        read (counted in epd_requests_total{front="http",status="RESOURCE_EXHAUSTED"}, as the
+        router's own admission refusals are); /health and /metrics always pass, so a full front
+        still says how it is."""
+        if scope["type"] != "http" or scope.get("path") in ("/health", "/metrics"):
+            return await self.starlette(scope, receive, send)
+        if self.open_requests >= self.max_open_requests:
+            self.stats.refused("http", "RESOURCE_EXHAUSTED", f"{self.open_requests} HTTP requests open")
+            error = HttpError(429, f"router: {self.open_requests} HTTP requests are open (limit "
+                              f"{self.max_open_requests}, --http-max-open-requests); retry in a few seconds or on "
+                              "another router", "rate_limit_error", code="resource_exhausted")
+            return await _send_json(send, 429, error.body(), {"retry-after": "1", "connection": "close"})
+        self.open_requests += 1
+        try:
+            await self.starlette(scope, receive, send)
+        finally:
+            self.open_requests -= 1
 
     # ------------------------------------------------------------ lifecycle (on the router's loop)
 
@@ -163,8 +216,11 @@ class HttpFront:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+        # uvicorn's own connection cap stands behind the open-request cap (idle keep-alive
+        # connections count there too): past it uvicorn answers 503 itself.
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024, **tls)
+                                timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                                limit_concurrency=2 * self.max_open_requests + 64, interface="asgi3", **tls)
         self.server = uvicorn.Server(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -239,7 +295,7 @@ class HttpFront:
                 template = _object(body, "chat_template_kwargs", {"enable_thinking"})
                 thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
                 mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
-                max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels") \
+                max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
                 messages = await self._messages(body.get("messages"))
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
@@ -304,23 +360,29 @@ class HttpFront:
             raise self._unknown_model(body["model"])
 
     async def chat_completions(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generation(request, f"chatcmpl-{uuid.uuid4().hex}", self.build_request, _ChatCall)
+
+    async def completions(self, request: Request) -> Response:
+        """The legacy ``POST /v1/completions``: a prompt (text or token ids) completed as it is."""
+        return await self._generation(request, f"cmpl-{uuid.uuid4().hex}", self.build_completion, _CompletionCall)
+
+    async def _generation(self, request: Request, request_id: str, build, call) -> Response:
         logs.REQUEST_ID.set(request_id)
         try:
             refused = self._unauthorized(request)
             if refused:
                 raise refused
             body = await self._read_json(request)
-            proto, options = await self.build_request(body, request_id)
+            proto, options = await build(body, request_id)
         except ClientDisconnect:  # gone before its request was whole: nothing to answer
             return Response(status_code=499)
         except Exception as error:  # noqa: BLE001 - every refusal leaves in OpenAI's shape
             failure = http_error(error)
             if failure.status >= 500:
                 log.warning("http request %s: %s", request_id, failure.message)
-            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"))
+            self.stats.refused("http", STATUS_NAMES.get(failure.status, "INTERNAL"), failure.message)
             return failure.response()
-        return _ChatCall(self, proto, options, request_id)
+        return call(self, proto, options, request_id)
 
     async def _not_found(self, request: Request, exc) -> Response:
         return HttpError(404, f"no route {request.method} {request.url.path}", "not_found_error").response()
@@ -352,19 +414,27 @@ class HttpFront:
         length = request.headers.get("content-length", "")
         chunks, size = [], 0
         too_large = length.isdigit() and int(length) > self.max_body
-        async for chunk in request.stream():
-            size += len(chunk)
-            too_large = too_large or size > self.max_body
-            if size > 4 * self.max_body:
-                break
-            if not too_large:
-                chunks.append(chunk)
-            # Past the cap the rest is read and dropped (up to a bound) before answering: most clients send
-            # the whole body before they read a reply, and would see a reset connection instead of the 413.
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):  # a client that trickles its body
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    too_large = too_large or size > self.max_body
+                    if size > 4 * self.max_body:
+                        break
+                    if not too_large:
+                        chunks.append(chunk)
+                    # Past the cap the rest is read and dropped (up to a bound) before answering: most clients
+                    # send the whole body before they read a reply, and would see a reset connection, not the 413.
+        except TimeoutError:
+            raise HttpError(408, f"the request body took longer than {self.config.body_timeout_s:g} s to arrive "
+                            "(--http-body-timeout-s)", code="request_timeout") from None
         if too_large:
             raise self._too_large()
+        data = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            # A large body is parsed on the executor: the loop keeps serving every other request meanwhile.
+            body = json.loads(data) if len(data) < OFF_LOOP_BYTES else \
+                await asyncio.get_running_loop().run_in_executor(None, json.loads, data)
         except (ValueError, UnicodeDecodeError) as error:
             raise HttpError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
@@ -384,67 +454,81 @@ class HttpFront:
         if unsupported:
             raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
                             code="unsupported_parameter")
-        for name, neutral in NEUTRAL.items():
-            if name in body and (_number(body, name) != neutral):
-                raise HttpError(400, f"{name} is not supported by this server (only {neutral})", param=name,
-                                code="unsupported_parameter")
         if "model" in body and body["model"] != self.model_name:
             if not isinstance(body["model"], str):
                 raise HttpError(400, "model must be a string", param="model")
             raise self._unknown_model(body["model"])
-        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-            raise HttpError(400, "n must be 1: this server returns one choice per request", param="n",
-                            code="unsupported_parameter")
+        n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
         stream = _bool(body, "stream")
         stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
         if stream_options and not stream:
             raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if stream_options.get("continuous_usage_stats"):
-            raise HttpError(400, "stream_options.continuous_usage_stats is not supported by this server",
-                            param="stream_options", code="unsupported_parameter")
         include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
         logprobs = _bool(body, "logprobs")
         top_logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if "top_logprobs" in body else 0
         if top_logprobs and not logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-        sampling = epd_pb2.SamplingParams()
-        tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
-        if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
-            raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
-        if tokens:
-            sampling.max_tokens = _integer(body, tokens[0], -2**31, 2**31 - 1)
-        if "temperature" in body:
-            sampling.temperature = _number(body, "temperature")
-        if "top_p" in body:
-            sampling.top_p = _number(body, "top_p")
-        if "top_k" in body:
-            top_k = _integer(body, "top_k", -1, 2**31 - 1)
-            sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
-        if "seed" in body:
-            sampling.seed = _integer(body, "seed", 0, 2**64 - 1)
-        if "stop" in body:
-            stop = body["stop"]
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
-            sampling.stop.extend(stops)
-        sampling.ignore_eos = _bool(body, "ignore_eos")
+        sampling = _sampling_params(body, self.max_tokens_limit)
         if logprobs:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
 
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
         if "max_pixels" in mm:
-            request.max_pixels = _integer(mm, "max_pixels", 0, 2**63 - 1, "mm_processor_kwargs.max_pixels")
+            request.max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels")
         template = _object(body, "chat_template_kwargs", {"enable_thinking"})
         request.enable_thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
         if "user" in body and not isinstance(body["user"], str):
             raise HttpError(400, "user must be a string", param="user")
+        request.cache_salt = _cache_salt(body)
         request.messages.extend(await self._messages(body.get("messages")))
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-                              token_ids=_bool(body, "return_token_ids"))
+                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous)
+        request.return_prompt_token_ids = options.token_ids
         return request, options
+
+    async def build_completion(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, CompletionOptions]:
+        """``POST /v1/completions``: check every field and build the request (the prompt tokenized
+        here, as the request path would, so ``echo`` and ``return_token_ids`` know it)."""
+        body = {key: value for key, value in body.items() if value is not None}
+        unsupported = sorted(set(body) - COMPLETION_FIELDS)
+        if unsupported:
+            raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
+                            code="unsupported_parameter")
+        if "model" in body and body["model"] != self.model_name:
+            if not isinstance(body["model"], str):
+                raise HttpError(400, "model must be a string", param="model")
+            raise self._unknown_model(body["model"])
+        n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
+        stream = _bool(body, "stream")
+        stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
+        if stream_options and not stream:
+            raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
+        continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+        logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
+        echo = _bool(body, "echo")
+        if echo and logprobs is not None:
+            raise HttpError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
+                            param="echo", code="unsupported_parameter")
+        if "user" in body and not isinstance(body["user"], str):
+            raise HttpError(400, "user must be a string", param="user")
+        text, ids = _completion_prompt(body.get("prompt"))
+        sampling = _sampling_params(body, self.max_tokens_limit)
+        if logprobs is not None:
+            sampling.logprobs = max(1, logprobs)
+        builder = self.core.builder
+        prompt = await asyncio.get_running_loop().run_in_executor(None, builder.build_completion, text, ids)
+        request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt.token_ids,
+                                          cache_salt=_cache_salt(body))
+        echoed = (text if text else builder.tokenizer.decode(prompt.token_ids)) if echo else ""
+        options = CompletionOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echoed,
+                                    token_ids=_bool(body, "return_token_ids"), prompt_token_ids=prompt.token_ids,
+                                    n=n, continuous_usage=continuous)
+        return request, options
+
 
     async def _messages(self, messages) -> list[epd_pb2.ChatMessage]:
         if not isinstance(messages, list) or not messages:
@@ -454,7 +538,7 @@ class HttpFront:
             where = f"messages[{m_index}]"
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise HttpError(400, f"{where} must be an object with a string role", param="messages")
-            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content"})
+            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content", "name"})
             if extra:
                 raise HttpError(400, f"{where}: {', '.join(extra)} not supported by this server", param="messages",
                                 code="unsupported_parameter")
@@ -462,7 +546,10 @@ class HttpFront:
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(parts, list):
                 raise HttpError(400, f"{where}.content must be a string or a list of parts", param="messages")
-            chat = epd_pb2.ChatMessage(role=message["role"])
+            name = message.get("name")
+            if name is not None and not isinstance(name, str):
+                raise HttpError(400, f"{where}.name must be a string", param="messages")
+            chat = epd_pb2.ChatMessage(role=message["role"], name=name or "")
             for p_index, part in enumerate(parts):
                 here = f"{where}.content[{p_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -476,6 +563,9 @@ class HttpFront:
                                     f'"image_url": {{"url": URL}}}}; got type {kind!r}', param="messages",
                                     code="unsupported_parameter" if kind else None)
             out.append(chat)
+        if len(loads) > self.max_images:  # before any URL is fetched or any data: URL decoded
+            raise HttpError(400, f"request has {len(loads)} images; at most {self.max_images} images per request "
+                            "are allowed (router.max_images_per_request)", param="messages")
         if loads:
             results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
                                            return_exceptions=True)
@@ -500,6 +590,93 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+
+def _sampling_params(body: dict, max_tokens_limit: int) -> epd_pb2.SamplingParams:
+    """The generation fields chat and completions share (``logprobs`` is each one's own), bounded
+    as every front bounds them (``epd.limits``, the deployment's ``--max-tokens-limit``)."""
+    sampling = epd_pb2.SamplingParams()
+    tokens = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
+    if len(tokens) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise HttpError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
+    if tokens:  # the deployment's own limit (--max-tokens-limit), in the gRPC front's words
+        sampling.max_tokens = _max_tokens(body, tokens[0], max_tokens_limit)
+    if "temperature" in body:
+        sampling.temperature = _number(body, "temperature")
+        try:
+            limits.check_temperature(sampling.temperature)  # the bound (and words) of every front
+        except ValueError as error:
+            raise HttpError(400, str(error), param="temperature", code="invalid_argument") from None
+    if "top_p" in body:
+        sampling.top_p = _number(body, "top_p")
+    if "top_k" in body:
+        top_k = _integer(body, "top_k", -1, limits.MAX_TOP_K)
+        sampling.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 means off, as 0 does here
+    if "seed" in body:
+        sampling.seed = _integer(body, "seed", 0, limits.MAX_SEED)
+    if "stop" in body:
+        stop = body["stop"]
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise HttpError(400, "stop must be a non-empty string or a list of them", param="stop")
+        sampling.stop.extend(stops)
+    sampling.ignore_eos = _bool(body, "ignore_eos")
+    _logits_processing(body, sampling)
+    return sampling
+
+
+def _cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: a non-empty string (its length is checked by the request path)."""
+    salt = body.get("cache_salt", "")
+    if not isinstance(salt, str) or ("cache_salt" in body and not salt):
+        raise HttpError(400, "cache_salt must be a non-empty string", param="cache_salt")
+    return salt
+
+
+def _completion_prompt(prompt) -> tuple[str, list[int]]:
+    """A completion's ``prompt``: a string, token ids, or a list holding one of those."""
+    shape = "prompt must be a string, a list of token ids, or a list of one of those"
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise HttpError(400, f"prompt: one prompt per request on this server, got {len(prompt)}; send them as "
+                            "separate requests", param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise HttpError(400, "prompt is empty", param="prompt")
+        return prompt, []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                   for t in prompt):
+        return "", prompt
+    raise HttpError(400, shape, param="prompt")
+
+
+def _logits_processing(body: dict, sampling: epd_pb2.SamplingParams) -> None:
+    """vLLM's logits-processing fields into ``sampling``: the JSON shapes are checked here, the
+    ranges by the request path (``RouterCore``; the same INVALID_ARGUMENT message as gRPC's)."""
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if name in body:
+            setattr(sampling, name, _number(body, name))
+    if "min_tokens" in body:
+        sampling.min_tokens = _integer(body, "min_tokens", 0, 2**31 - 1)
+    if "stop_token_ids" in body:
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                for t in ids):
+            raise HttpError(400, "stop_token_ids must be a list of token ids (integers >= 0)", param="stop_token_ids")
+        sampling.stop_token_ids.extend(ids)
+    if "logit_bias" in body:
+        bias = body["logit_bias"]
+        if not isinstance(bias, dict):
+            raise HttpError(400, 'logit_bias must be an object mapping token ids to a bias, e.g. {"50256": -100}',
+                            param="logit_bias")
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 else None
+            if token is None:
+                raise HttpError(400, f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise HttpError(400, f"logit_bias: the bias of token {key} must be a finite number", param="logit_bias")
+            sampling.logit_bias[token] = float(value)
 
 
 def _refuse_unknown(body: dict, allowed: set[str]) -> None:
@@ -555,12 +732,31 @@ def _number(body: dict, name: str) -> float:
     return float(value)
 
 
+def _max_tokens(body: dict, name: str, limit: int) -> int:
+    """max_tokens (or max_completion_tokens) in [1, the deployment's limit], refused in the words
+    the request path uses (so a value past int32 reads as what it is: more than the limit)."""
+    value = body[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HttpError(400, f"{name} must be an integer in [1, {limit}]", param=name)
+    got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+    if value < 1:
+        raise HttpError(400, f"{name} must be at least 1, got {got}", param=name, code="invalid_argument")
+    if value > limit:
+        raise HttpError(400, f"{name} must be at most {limit}, got {got}", param=name, code="invalid_argument")
+    return value
+
+
 def _integer(body: dict, name: str, low: int, high: int, shown: str = "") -> int:
     value = body[name]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}]", param=shown or name)
+    if not low <= value <= high:
+        got = str(value) if abs(value) < 10**30 else f"{value:.3g}"
+        raise HttpError(400, f"{shown or name} must be an integer in [{low}, {high}], got {got}", param=shown or name)
     return value
 
 
@@ -588,6 +784,7 @@ class _ChatCall:
     async def __call__(self, scope, receive, send) -> None:
         logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
         self.started = False  # the status line has gone out
+        self.streaming = False  # ... and it was a stream's (200, text/event-stream)
         producer = asyncio.ensure_future(self._produce(send))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -611,24 +808,70 @@ class _ChatCall:
             return
         producer.result()
 
+    def _requests(self) -> list[epd_pb2.GenerateRequest]:
+        """One request per choice (``n``), run concurrently: the same request, except that choice
+        ``i``'s seed is ``seed + i`` when the client gave a seed (without one each draws its own)."""
+        out = []
+        for index in range(self.options.n):
+            request = epd_pb2.GenerateRequest()
+            request.CopyFrom(self.request)
+            if index and request.sampling.HasField("seed"):
+                request.sampling.seed = (request.sampling.seed + index) % 2**64
+            if index:
+                request.request_id = f"{self.id}-{index}"
+            out.append(request)
+        return out
+
     async def _produce(self, send) -> None:
         front = self.front
-        events = front.stats.track("http", front.core.generate(self.request, None))
+        requests = self._requests()
+        accepted = [asyncio.Event() for _ in requests]
+        streams = [front.stats.track("http", front.core.generate(request, None, on_accepted=event.set))
+                   for request, event in zip(requests, accepted)]
+        headers = None
+        if self.options.stream and not self.options.continuous_usage:
+            # A stream's status line, headers and opening chunks go out as soon as every choice's
+            # request has passed its checks, not at the first token (seconds later under load): a
+            # refusal still gets its own status, a failure after that is an error event in the stream.
+            async def flush_headers() -> None:
+                for event in accepted:
+                    await event.wait()
+                await self._start_stream(send, len(requests))
+
+            headers = asyncio.ensure_future(flush_headers())
         try:
             try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = None
+                firsts = await _all([_next(stream) for stream in streams])
             except Exception as error:  # noqa: BLE001 - a refusal before anything was sent: its own status
+                await self._settle(headers, accepted)
+                if self.streaming:
+                    _, body, _ = self._error(error)
+                    await send({"type": "http.response.body", "body": _sse(body) + b"data: [DONE]\n\n",
+                                "more_body": False})
+                    return
                 self.started = True
                 await _send_json(send, *self._error(error))
                 return
+            await self._settle(headers, accepted)
             if self.options.stream:
-                await self._stream(send, first, events)
+                await self._stream(send, firsts, streams)
             else:
-                await self._whole(send, first, events)
+                await self._whole(send, firsts, streams)
         finally:
-            await events.aclose()
+            if headers is not None and not headers.done():
+                headers.cancel()
+            for stream in streams:
+                await stream.aclose()
+
+    @staticmethod
+    async def _settle(headers: asyncio.Future | None, accepted: list[asyncio.Event]) -> None:
+        """Wait for the headers being sent, or call them off if a request never was accepted."""
+        if headers is None:
+            return
+        if not all(event.is_set() for event in accepted):
+            headers.cancel()  # still waiting on the event: nothing was sent (no await since the check)
+        with contextlib.suppress(asyncio.CancelledError):
+            await headers
 
     def _error(self, error: BaseException) -> tuple[int, dict, dict]:
         failure = http_error(error)
@@ -637,84 +880,255 @@ class _ChatCall:
         headers = {"retry-after": "1"} if failure.status in (429, 503) else {}
         return failure.status, failure.body(), headers
 
-    async def _whole(self, send, first, events) -> None:
-        text, token_ids, logprobs, summary = [], [], [], None
+    # ------------------------------------------------------------ the shapes (chat here, completions below)
+
+    OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+
+    def _whole_choice(self, index: int, got: _Collected) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": "".join(got.text)},
+                  "logprobs": None, "finish_reason": _finish(got.summary), "stop_reason": _stop_reason(got.summary)}
+        if self.options.logprobs:
+            choice["logprobs"] = {"content": self.front.logprobs_json(got.logprobs, self.options, got.token_ids)}
+        if self.options.token_ids:
+            choice["token_ids"] = got.token_ids
+        return choice
+
+    def _whole_extra(self, results: list[_Collected]) -> dict:
+        return {"prompt_token_ids": results[0].prompt_token_ids} if self.options.token_ids else {}
+
+    def _opening_choices(self, index: int, state: dict) -> list[dict]:
+        return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
+        choice = {"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+        if self.options.logprobs:
+            choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options, chunk.token_ids)}
+        if self.options.token_ids:
+            choice["token_ids"] = list(chunk.token_ids)
+        return choice
+
+    def _final_choice(self, index: int, summary, state: dict) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish(summary),
+                "stop_reason": _stop_reason(summary)}
+
+    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+        """Top-level fields of a streamed chunk: vLLM's chat puts prompt_token_ids on the first."""
+        return {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids and chunk.prompt_tokens \
+            else {}
+
+    # ------------------------------------------------------------ the response
+
+    async def _whole(self, send, firsts, streams) -> None:
         try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
-                else:
-                    text.append(event.chunk.text)
-                    token_ids.extend(event.chunk.token_ids)
-                    logprobs.extend(event.chunk.logprobs)
-                event = await anext(events, None)
+            results = await _all([_collect(first, stream) for first, stream in zip(firsts, streams)])
         except Exception as error:  # noqa: BLE001 - nothing sent yet: the error gets its status
             self.started = True
             await _send_json(send, *self._error(error))
             return
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "logprobs": None, "finish_reason": _finish(summary)}
-        if self.options.logprobs:
-            choice["logprobs"] = {"content": self.front.logprobs_json(logprobs, self.options, token_ids)}
-        if self.options.token_ids:
-            choice["token_ids"] = token_ids
-        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.front.model_name,
-                "choices": [choice], "usage": _usage(summary), "system_fingerprint": None}
+        body = {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.front.model_name,
+                "choices": [self._whole_choice(index, got) for index, got in enumerate(results)],
+                "usage": _usage([got.summary for got in results]), "system_fingerprint": None,
+                **self._whole_extra(results)}
         self.started = True
         await _send_json(send, 200, body, {"x-request-id": self.id})
 
-    async def _stream(self, send, first, events) -> None:
-        self.started = True
+    async def _start_stream(self, send, num_choices: int, usage: dict | None = None) -> None:
+        """The stream's status line, headers and each choice's opening chunk, flushed now."""
+        self.started = self.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-request-id", self.id.encode())]})
-        usage = {"usage": None} if self.options.include_usage else {}
+            (b"x-accel-buffering", b"no"), (b"x-request-id", self.id.encode())]})
+        self._states = [{} for _ in range(num_choices)]
+        for index, state in enumerate(self._states):
+            for choice in self._opening_choices(index, state):
+                await self._emit(send, [choice], usage)
 
-        async def emit(choices: list, **extra) -> None:
-            chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                     "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **usage, **extra}
-            await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+    async def _emit(self, send, choices: list, usage: dict | None = None, **extra) -> None:
+        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
+                 "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **extra}
+        if self.options.include_usage:
+            chunk["usage"] = usage
+        await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
 
-        await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}])
-        summary = None
+    async def _stream(self, send, firsts, streams) -> None:
+        options = self.options
+        prompt_tokens = next((f.chunk.prompt_tokens for f in firsts if f is not None
+                              and f.WhichOneof("event") == "chunk"), 0)
+        completion = [0] * len(streams)
+
+        def running() -> dict | None:
+            """continuous_usage_stats: the usage so far on every chunk (else null until the last)."""
+            if not options.continuous_usage:
+                return None
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
+                    "total_tokens": prompt_tokens + sum(completion)}
+
+        async def emit(choices: list, usage: dict | None = None, **extra) -> None:
+            await self._emit(send, choices, usage, **extra)
+
+        if not self.streaming:  # not flushed ahead (continuous usage stats want the prompt's size first)
+            await self._start_stream(send, len(streams), running())
+        states = self._states
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, event, stream) -> None:
+            try:
+                while event is not None:
+                    await queue.put((index, event, None))
+                    event = await anext(stream, None)
+                await queue.put((index, None, None))
+            except Exception as error:  # noqa: BLE001 - handed to the writer below
+                await queue.put((index, None, error))
+
+        pumps = [asyncio.ensure_future(pump(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts, streams))]
+        summaries, failure, open_streams = [None] * len(streams), None, len(streams)
         try:
-            event = first
-            while event is not None:
-                if event.WhichOneof("event") == "summary":
-                    summary = event.summary
+            while open_streams and failure is None:
+                index, event, error = await queue.get()
+                if event is None:
+                    open_streams -= 1
+                    failure = error
+                elif event.WhichOneof("event") == "summary":
+                    summaries[index] = event.summary
+                    await emit([self._final_choice(index, event.summary, states[index])], running())
                 elif event.chunk.text or event.chunk.token_ids:
-                    chunk = event.chunk
-                    choice = {"index": 0, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
-                    if self.options.logprobs:
-                        choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options,
-                                                                                  chunk.token_ids)}
-                    if self.options.token_ids:
-                        choice["token_ids"] = list(chunk.token_ids)
-                    await emit([choice])
-                event = await anext(events, None)
-        except Exception as error:  # noqa: BLE001 - the status line is gone: say it in the stream
-            _, body, _ = self._error(error)
+                    completion[index] += len(event.chunk.token_ids)
+                    await emit([self._delta_choice(index, event.chunk, states[index])], running(),
+                               **self._chunk_extra(event.chunk))
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+        if failure is not None:  # the status line is gone: say it in the stream
+            _, body, _ = self._error(failure)
             await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
-        else:
-            await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(summary)}])
-            if self.options.include_usage:
-                usage = {}
-                await emit([], usage=_usage(summary))
+        elif options.include_usage:
+            await emit([], _usage(summaries))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class _CompletionCall(_ChatCall):
+    """A legacy completion's response: ``text`` instead of a message, the legacy logprobs object."""
+
+    OBJECT = CHUNK_OBJECT = "text_completion"
+
+    def _logprobs(self, entries, token_ids, offset: int) -> dict:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of these tokens, their
+        text offsets counted from ``offset`` characters into the choice's text."""
+        tokenizer = self.front.core.builder.tokenizer
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, entries):
+            text = tokenizer.decode([token_id])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append({tokenizer.decode([alt.token_id]): alt.logprob
+                                        for alt in list(entry.top)[:self.options.logprobs]})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _choice(self, index: int, text: str, token_ids, logprobs, state: dict, finish: str | None = None,
+                stop_reason: str | int | None = None) -> dict:
+        """One choice, or a streamed piece of one; ``state`` keeps its text offset and whether the
+        prompt's token ids went out yet."""
+        offset = state.get("offset", 0)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        if self.options.logprobs is not None:
+            choice["logprobs"] = self._logprobs(logprobs, token_ids, offset)
+        if self.options.token_ids:
+            choice["token_ids"] = list(token_ids)
+            if not state.get("sent_prompt"):
+                choice["prompt_token_ids"] = list(self.options.prompt_token_ids)
+                state["sent_prompt"] = True
+        state["offset"] = offset + len(text)
+        return choice
+
+    def _whole_choice(self, index: int, got: _Collected) -> dict:
+        echo = self.options.echo
+        state = {"offset": len(echo)}
+        choice = self._choice(index, "".join(got.text), got.token_ids, got.logprobs, state, _finish(got.summary),
+                              _stop_reason(got.summary))
+        choice["text"] = echo + choice["text"]
+        return choice
+
+    def _whole_extra(self, results: list[_Collected]) -> dict:
+        return {}
+
+    def _opening_choices(self, index: int, state: dict) -> list[dict]:
+        return [self._choice(index, self.options.echo, [], [], state)] if self.options.echo else []
+
+    def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
+        return self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
+
+    def _final_choice(self, index: int, summary, state: dict) -> dict:
+        return self._choice(index, "", [], [], state, _finish(summary), _stop_reason(summary))
+
+    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+        return {}
+
+
+@dataclass
+class _Collected:
+    """One choice's whole answer."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    summary: epd_pb2.Summary | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+async def _next(stream):
+    return await anext(stream, None)
+
+
+async def _collect(first, stream) -> _Collected:
+    got, event = _Collected(), first
+    while event is not None:
+        if event.WhichOneof("event") == "summary":
+            got.summary = event.summary
+        else:
+            got.text.append(event.chunk.text)
+            got.token_ids.extend(event.chunk.token_ids)
+            got.logprobs.extend(event.chunk.logprobs)
+            got.prompt_token_ids.extend(event.chunk.prompt_token_ids)
+        event = await anext(stream, None)
+    return got
+
+
+async def _all(awaitables: list) -> list:
+    """Run them together; the first failure cancels the rest (and is raised once they stopped)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _stop_reason(summary) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice, else null."""
+    kind = summary.WhichOneof("stop_reason") if summary is not None else None
+    return getattr(summary, kind) if kind else None
 
 
 def _finish(summary) -> str | None:
     return FINISH_REASONS.get(summary.finish_reason, summary.finish_reason) if summary is not None else None
 
 
-def _usage(summary) -> dict | None:
-    if summary is None:
+def _usage(summaries) -> dict | None:
+    """Usage of the n choices of one request: the prompt once (and its cached tokens: the first
+    choice's), the completion tokens of all."""
+    if not summaries or any(summary is None for summary in summaries):
         return None
-    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.completion_tokens,
-            "total_tokens": summary.prompt_tokens + summary.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": summary.cached_tokens}}
+    prompt, completion = summaries[0].prompt_tokens, sum(summary.completion_tokens for summary in summaries)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": summaries[0].cached_tokens}}
 
 
 def _sse(obj: dict) -> bytes:

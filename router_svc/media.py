@@ -25,6 +25,7 @@ import ipaddress
 import os
 import socket
 import ssl
+import stat
 import urllib.parse
 
 import h11
@@ -38,6 +39,8 @@ class MediaError(ValueError):
 
 
 USER_AGENT = "epd-media-fetch/1"
+DATA_OFF_LOOP_CHARS = 256 * 1024
+"""A data: URL at least this long is decoded on the loop's executor (base64 of megabytes takes ms)."""
 
 
 class MediaLoader:
@@ -55,7 +58,9 @@ class MediaLoader:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         try:
             if scheme == "data":
-                return decode_data_url(url)
+                if len(url) < DATA_OFF_LOOP_CHARS:
+                    return decode_data_url(url)
+                return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url)  # off the loop
             if scheme in ("http", "https"):
                 if not self.config.allow_media_urls:
                     raise MediaError("image URLs are not fetched by this server (it was started without "
@@ -69,6 +74,11 @@ class MediaLoader:
                              f"{self.config.media_fetch_timeout_s:g} s") from None
         except MediaError as error:
             raise MediaError(f"{where}: {error}") from None
+        except (OSError, ssl.SSLError, h11.ProtocolError, UnicodeError) as error:
+            # Whatever else reading the image ran into is still about the URL the client sent (a
+            # directory, a file that vanished, an I/O error, a peer that hung up): a 400 saying why.
+            reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+            raise MediaError(f"{where}: cannot read the image at {_shown(url)}: {reason}") from None
         raise MediaError(f"{where}: image_url.url must be a data:, http(s):// or file:// URL")
 
     # ------------------------------------------------------------ http(s)
@@ -189,19 +199,26 @@ class MediaLoader:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as error:
             raise MediaError(f"cannot read {path}: {error.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
+        try:
             # What was opened, not what the name pointed to a moment ago (a symlink swapped in between).
             opened = os.path.realpath(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else path
             if not _inside(opened, self.local_root):
                 raise MediaError(f"{path} is outside the directory this server reads images from")
             info = os.fstat(fd)
-            import stat
-
+            if stat.S_ISDIR(info.st_mode):
+                raise MediaError(f"{path} is a directory, not an image file")
             if not stat.S_ISREG(info.st_mode):
                 raise MediaError(f"{path} is not a regular file")
             if info.st_size > self.max_bytes:
                 raise MediaError(f"{path} is {info.st_size} bytes, more than the {self.max_bytes} this server accepts")
-            return f.read(self.max_bytes + 1)
+            with os.fdopen(fd, "rb") as f:
+                fd = -1  # the file object owns it now
+                return f.read(self.max_bytes + 1)
+        except OSError as error:  # an I/O error while reading is the client's file's, not a 500
+            raise MediaError(f"cannot read {path}: {error.strerror or error}") from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def decode_data_url(url: str) -> bytes:

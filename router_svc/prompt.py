@@ -26,6 +26,7 @@ from router_svc.tokens import PlainText
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+MAX_NAME_CHARS = 256  # a message's name
 # The model's own structure in its answers: in an assistant message these are tokens, as the
 # template renders them (and as transformers tokenizes them), so the template can find and strip
 # earlier reasoning. Everywhere else, and every other added token (the role markers) everywhere,
@@ -100,6 +101,42 @@ class PromptBuilder:
             ids = self.plain.encode(text)
         return Prompt(token_ids=self._expand_placeholders(ids, images), images=images)
 
+    def build_completion(self, text: str, token_ids) -> Prompt:
+        """A completion's prompt, no template: ``text`` tokenized as plain text (as written with
+        ``allow_special_tokens``), or ``token_ids`` as they are. Raises ValueError naming the problem."""
+        if text and token_ids:
+            raise ValueError("send prompt or prompt_token_ids, not both")
+        if token_ids:
+            ids = list(token_ids)
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"prompt_token_ids has {len(ids)} tokens, more than the context window of "
+                                 f"{self.max_model_len}")
+            vocab = self.info.vocab_size or len(self.tokenizer)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: {bad} is not a token id of this model (0 to {vocab - 1})")
+            reserved = {self.info.image_token_id, self.info.vision_start_token_id, self.info.vision_end_token_id}
+            reserved |= {self.plain.added[t] for t in RESERVED if t in self.plain.added}
+            bad = next((t for t in ids if t in reserved), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids holds the vision token {bad}: a completion has no images")
+            return Prompt(token_ids=ids, images=[])
+        if not text:
+            raise ValueError("prompt is empty")
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise ValueError(f"prompt is {len(text)} characters, more than a context window of "
+                             f"{self.max_model_len} tokens can hold")
+        if self.allow_special_tokens:
+            for token in RESERVED:
+                if token in text:
+                    raise ValueError(f"prompt contains the reserved token {token}: a completion has no images")
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.plain.encode_text(text)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return Prompt(token_ids=ids, images=[])
+
     def _check_limits(self, messages) -> None:
         """What a request may hold, checked before any of it is rendered, probed or tokenized."""
         if not messages:
@@ -142,7 +179,12 @@ class PromptBuilder:
                     else:  # plain text: vision placeholders in it are characters too, harmless
                         parts.append({"type": "text", "text": self._escape(part.text, message.role)})
                     has_content = has_content or bool(part.text.strip())
-            chat.append({"role": message.role, "content": parts})
+            entry = {"role": message.role, "content": parts}
+            if message.name:  # for a template that renders it (Qwen3.5's does not); plain text like all client text
+                if len(message.name) > MAX_NAME_CHARS:
+                    raise ValueError(f"message {m_index} name is {len(message.name)} characters; at most {MAX_NAME_CHARS}")
+                entry["name"] = message.name if self.allow_special_tokens else self.plain.escape(message.name)
+            chat.append(entry)
         if not has_content:
             raise ValueError("prompt is empty: no text and no images")
         return chat, images

@@ -35,7 +35,8 @@ class RouterServicer(epd_pb2_grpc.RouterServicer):
         self.num_cut = 0  # streams still running when a shutdown's drain ran out of time
 
     async def Generate(self, request: epd_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        logs.REQUEST_ID.set(request.request_id or uuid.uuid4().hex)  # every line logged for it names it
+        # Every line logged for it, on every role, names it (the client's id, escaped to printable ASCII).
+        logs.REQUEST_ID.set(logs.safe_id(request.request_id) or uuid.uuid4().hex)
         try:
             async for event in self.stats.track("grpc", self.core.generate(request, context.time_remaining())):
                 yield event
@@ -94,7 +95,9 @@ class RouterServer(rpc.RoleServer):
 
             self.http = HttpFront(self.core, serve.http, serve.http.served_model_name or default_model_name(
                 serve.model_dir), serve.security.api_key, self.serving, self.stats, self._read_metrics,
-                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb)
+                serve.security.tls_cert, serve.security.tls_key, config.max_request_mb,
+                max_images=config.max_images_per_request, max_tokens_limit=config.max_tokens_limit,
+                max_open_requests=serve.http.open_requests_limit(config.max_queued_requests))
             self.events.run(self.http.start(self.host, serve.http.port))
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())

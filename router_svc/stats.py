@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from epd import rpc
+from epd import logs, rpc
 from epd.metrics import Family, Histogram, counter, gauge
 from epd.v1 import epd_pb2
 
 FRONTS = ("grpc", "http")
+access = logging.getLogger("epd.access")
 # vLLM's buckets, with finer ones at the low end (small models on one machine answer in milliseconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -30,6 +32,23 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                  7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def access_line(front: str, status: str, finish: str, summary: epd_pb2.Summary | None, ttft_s: float | None,
+                e2e_s: float, reason: str = "") -> None:
+    """The one INFO line per finished request (``epd.access``): its id (the log context's), front,
+    status, finish reason, prompt / output / cached tokens, images, TTFT and end-to-end seconds,
+    and for a failure its message. A request a client got wrong is an answer, not a fault: INFO
+    like the rest, never a traceback."""
+    fields = {"front": front, "status": status, "finish_reason": finish,
+              "prompt_tokens": summary.prompt_tokens if summary else 0,
+              "output_tokens": summary.completion_tokens if summary else 0,
+              "cached_tokens": summary.cached_tokens if summary else 0,
+              "images": summary.images if summary else 0,
+              "ttft_s": None if ttft_s is None else round(ttft_s, 6), "e2e_s": round(e2e_s, 6)}
+    if reason:
+        fields["error"] = reason
+    access.info("request finished", extra={logs.FIELDS: fields})
 
 
 class RequestStats:
@@ -55,6 +74,7 @@ class RequestStats:
         start = time.perf_counter()
         first = last = None
         status, finish = "OK", ""
+        summary, reason = None, ""
         with self._lock:
             self._running[front] += 1
         try:
@@ -85,23 +105,27 @@ class RequestStats:
             status = "CANCELLED"
             raise
         except BaseException as error:
-            status = rpc.status_of(error)[0].name
+            code, reason = rpc.status_of(error)
+            status = code.name
             raise
         finally:
+            e2e = time.perf_counter() - start
             with self._lock:
                 self._running[front] -= 1
                 self._requests[(front, status, finish)] += 1
             if status == "OK":
-                self.e2e.observe(time.perf_counter() - start, front)
+                self.e2e.observe(e2e, front)
+            access_line(front, status, finish, summary, None if first is None else first - start, e2e, reason)
 
     def running(self, front: str) -> int:
         with self._lock:
             return self._running[front]
 
-    def refused(self, front: str, status: str) -> None:
+    def refused(self, front: str, status: str, reason: str = "") -> None:
         """A request the front refused before it reached the request path (its own checks)."""
         with self._lock:
             self._requests[(front, status, "")] += 1
+        access_line(front, status, "", None, None, 0.0, reason)
 
     def families(self) -> list[Family]:
         with self._lock:

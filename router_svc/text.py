@@ -19,9 +19,16 @@ class TextStream:
 
     _TAIL = 4  # tokens kept undecided behind the end: a character's bytes span at most 4 tokens
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str], min_tokens: int = 0) -> None:
+        """``min_tokens``: stop strings are looked for only once the completion has more tokens
+        than this (vLLM's rule: the request asked for at least that many)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self._frozen: str | None = None  # the final text, once a stop token ended the completion
+        self.matched = ""  # the stop string that ended it
+        self._floor = 0  # text length when the min_tokens-th token came: stop strings must end past it
+        self.stop_token: int | None = None  # or the stop token that did
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self._settled = 0  # tokens whose text is final
@@ -30,17 +37,30 @@ class TextStream:
         self.stopped = False
         self.consumed = 0  # how many of the tokens given to the last add() are part of the completion
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append tokens and return the new text that is now final.
+    def add(self, token_ids: Sequence[int], ends: bool = False) -> str:
+        """Append tokens and return the new text that is now final. ``ends``: the last of them is
+        a stop token (``stop_token_ids``) that ended the completion: it counts as a token of it,
+        but its text is not part of the text (vLLM's ``include_stop_str_in_output`` off), and the
+        whole rest of the text is returned now.
 
         With stop strings the tokens are taken one at a time: when one of them completes a stop
         string, the rest are dropped (decode runs ahead of the router, so a batch can carry tokens
         generated after the stop). ``consumed`` then says how many of ``token_ids`` were kept, the
         last of them the token that completed the stop; the completion (``token_ids``) ends there,
         so its length, and anything counted from it, is the same however decode batched it."""
-        if self.stopped:
+        if self.stopped or self._frozen is not None:
             self.consumed = 0
             return ""
+        if ends and token_ids:
+            delta = self.add(token_ids[:-1])
+            if self.stopped:  # a stop string came first
+                return delta
+            text = self._text()
+            self._frozen = text
+            self.token_ids.append(token_ids[-1])
+            self.stop_token = token_ids[-1]
+            self.consumed = len(token_ids)
+            return delta + self._advance(text, len(text))
         if not self.stop:  # nothing can stop the stream: the whole batch at once
             self.token_ids.extend(token_ids)
             self.consumed = len(token_ids)
@@ -49,7 +69,10 @@ class TextStream:
         for index, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
             text = self._text()
-            cut = self._find_stop(text)
+            if len(self.token_ids) > self.min_tokens:
+                cut = self._find_stop(text)
+            else:  # within min_tokens: a stop string completed now never counts, later or not
+                cut, self._floor = None, len(text)
             if cut is not None:
                 self.stopped = True
                 self.consumed = index + 1
@@ -74,6 +97,8 @@ class TextStream:
 
     def _text(self) -> str:
         """The whole completion's text, decoding only the unsettled tail."""
+        if self._frozen is not None:
+            return self._frozen
         settle = len(self.token_ids) - self._TAIL
         if settle > self._settled:
             piece = self._decode(self.token_ids[self._settled : settle])
@@ -88,8 +113,13 @@ class TextStream:
     def _find_stop(self, text: str) -> int | None:
         # Only text past what was already emitted minus the hold can hold a new stop string.
         start = max(0, self._emitted - self._hold)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        # and none that ended within the first min_tokens tokens (at or before ``_floor``)
+        hits = [(i, s) for i, s in ((text.find(s, max(start, self._floor - len(s) + 1)), s) for s in self.stop)
+                if i >= 0]
+        if not hits:
+            return None
+        cut, self.matched = min(hits, key=lambda hit: hit[0])
+        return cut
 
     def _advance(self, text: str, end: int) -> str:
         if end <= self._emitted:

@@ -5,6 +5,7 @@ open-loop and multi-turn runs against the shared `epd serve`, and argument error
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -229,13 +230,19 @@ def _check_figures(figures: dict, num_requests: int, output_tokens: int) -> None
 
 
 def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_path):
-    """The CI smoke bench: its own stack, the baseline after it, JSON and PNG, no process left."""
+    """The CI smoke bench: its own stack, the baseline after it, JSON and PNG, no process left; the
+    stack takes EPD_API_KEY and the internal token given, and neither is in the report or the output."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    api_key, token = "bench-api-key-for-the-test-5150", "bench-internal-token-for-the-test-8086"
+    (tmp_path / "token").write_text(token)
     argv = [sys.executable, "-m", "control.cli", "bench", "--model", tiny_model_dir, "--num-requests", "4",
             "--concurrency", "2", "--image-sizes", "64x64,96x64", "--images-per-request", "1", "--prompt-tokens", "24",
             "--output-tokens", "8", "--baseline", "transformers", "--json", str(out_json), "--plot", str(out_png),
-            "--slo-ttft", "30", "--seed", "11", "--baseline-threads", "1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            "--slo-ttft", "30", "--seed", "11", "--baseline-threads", "1",
+            "--internal-token-file", str(tmp_path / "token")]
+    env = {**os.environ, "EPD_API_KEY": api_key}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
     seen: dict[int, psutil.Process] = {}
     names: set[str] = set()
     deadline = time.monotonic() + 240
@@ -257,7 +264,12 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     assert alive == [], f"epd bench left processes behind: {alive}"
     assert any("redis-server" in n for n in names) and any("raylet" in n for n in names), names  # a real stack ran
 
-    report = json.loads(out_json.read_text())
+    text = out_json.read_text()
+    for secret in (api_key, token):  # the report, and everything the command and every role printed
+        assert secret not in text and secret not in stdout and secret not in stderr, secret
+    report = json.loads(text)
+    security = report["config"]["stack"]["serve"]["security"]
+    assert security["api_key"] == "***" and security["internal_token"] == "***"  # both set, neither shown
     for key in ("throughput_tok_s", "request_throughput", "ttft_s", "tpot_s", "itl_s", "e2e_s", "num_requests",
                 "failed", "output_tokens_total", "duration_s", "goodput", "store_overhead_ratio",
                 "handoff_overhead_ratio", "cached_tokens", "images_encoded", "images_cached", "config", "machine",

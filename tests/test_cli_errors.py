@@ -36,7 +36,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, prefix: str, *fragme
     ("--seed", "-1", "argument --seed: must be in [0, 18446744073709551615], got -1"),
     ("--max-tokens", "99999999999", "argument --max-tokens: must be in [1, 2147483647], got 99999999999"),
     ("--top-k", "99999999999", "argument --top-k: must be in [0, 2147483647], got 99999999999"),
-    ("--max-pixels", "-5", "argument --max-pixels: must be in [1,"),
+    ("--max-pixels", "-5", "argument --max-pixels: must be in [0,"),  # 0: the model's, as the server says
     ("--temperature", "nan", "argument --temperature: must be in [0, 1e+06], got nan"),
     ("--top-p", "2", "argument --top-p: must be in [0, 1], got 2"),
     ("--max-tokens", "ten", "argument --max-tokens: expected an integer, got 'ten'"),
@@ -188,3 +188,66 @@ def test_serve_with_an_unreachable_redis_stops_in_one_line(tiny_model_dir):
     out = epd("serve", "--model", tiny_model_dir, "--redis", f"redis://127.0.0.1:{closed}/0", timeout=180)
     assert_one_line_error(out, "epd serve: stopped: ", f"cannot reach Redis at redis://127.0.0.1:{closed}/0",
                           code=1)
+
+
+def test_deploy_without_internal_tls_refuses_to_send_the_token_in_clear(tiny_model_dir):
+    """Across nodes the internal token would travel in clear: one line naming the flag and the TLS
+    options, before Ray is reached (nothing listens at the address: the refusal comes first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    out = epd("deploy", "--address", f"127.0.0.1:{closed}", "--model", tiny_model_dir,
+              "--redis", "redis://10.0.0.1:6379/0", timeout=120)
+    assert_one_line_error(out, "epd deploy: error:", "internal token in clear", "--allow-plaintext-internal",
+                          "--internal-tls-ca", "--internal-tls-cert", "--internal-tls-key")
+    # With the flag the check passes and the command goes on (here: to the address nobody answers).
+    out = epd("deploy", "--address", f"127.0.0.1:{closed}", "--model", tiny_model_dir,
+              "--redis", "redis://10.0.0.1:6379/0", "--allow-plaintext-internal", timeout=120)
+    assert_one_line_error(out, "epd deploy: no Ray cluster answers at", code=1)
+
+
+def test_generate_prompt_file_errors_are_one_line(tmp_path):
+    out = epd("generate", "--addr", NO_SERVER, "--prompt-file", str(tmp_path / "missing.txt"), timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "--prompt-file: cannot read", "No such file")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    out = epd("generate", "--addr", NO_SERVER, "--prompt-file", str(tmp_path / "latin1.txt"), timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "is not UTF-8 text (byte 3)")
+    out = epd("generate", "--addr", NO_SERVER, "--prompt", "x", "--prompt-file", str(tmp_path / "latin1.txt"),
+              timeout=60)
+    assert_one_line_error(out, "epd generate: error:", "not allowed with argument")
+
+
+def test_terminal_text_escapes_what_a_terminal_would_obey():
+    from control.cli import terminal_text
+
+    answer = "ok\x1b]0;pwned\x07 \x1b[2J\u202eevil\x9b\x7f\nnext\tline é 中"
+    shown = terminal_text(answer)
+    assert shown == "ok\\x1b]0;pwned\\x07 \\x1b[2J\\u202eevil\\x9b\\x7f\nnext\tline é 中"
+    assert not any(ord(c) < 0x20 and c not in "\n\t" for c in shown)
+    assert terminal_text("plain text\n") == "plain text\n"
+
+
+def test_generate_on_a_terminal_escapes_control_characters_of_the_answer():
+    """Under a pseudo-terminal the answer goes through terminal_text; into a pipe it is left as it is."""
+    import os
+    import pty
+
+    from control import cli
+
+    code = ("import sys; from control import cli; "
+            "print(repr(cli._shown_on(sys.stdout)('a\\x1b[31mb')))")
+    import subprocess
+    import sys as _sys
+
+    piped = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert piped.stdout.strip() == repr("a\x1b[31mb"), piped.stderr
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([_sys.executable, "-c", code], stdout=follower, stderr=subprocess.PIPE, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        text = os.read(leader, 4096).decode()
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert repr("a\\x1b[31mb") in text, text
+    assert cli.terminal_text("\x1b") == "\\x1b"

@@ -97,6 +97,7 @@ def test_ctrl_c_while_connecting_stops_at_once():
 
 def test_deploy_to_nothing_listening_is_one_line_in_seconds(tiny_model_dir):
     address = f"127.0.0.1:{_closed_port()}"
-    out, took = _run("deploy", "--address", address, "--model", tiny_model_dir, "--redis", "redis://127.0.0.1:1/0")
+    out, took = _run("deploy", "--address", address, "--model", tiny_model_dir, "--redis", "redis://127.0.0.1:1/0",
+                     "--allow-plaintext-internal")
     assert_one_line_error(out, f"epd deploy: no Ray cluster answers at {address}", code=1)
     assert took < 10, took

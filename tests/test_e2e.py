@@ -188,6 +188,8 @@ BAD_REQUESTS = [
     pytest.param(dict(prompt="token " * 20000), "longer than the context window", id="prompt-too-long"),
     pytest.param(dict(temperature=-1.0), "temperature must be", id="negative-temperature"),
     pytest.param(dict(temperature=float("nan")), "temperature must be", id="nan-temperature"),
+    # The bound every front and epd generate share (epd.limits), in the same words.
+    pytest.param(dict(temperature=1e9), "temperature must be in [0, 1e+06], got 1e+09", id="huge-temperature"),
     pytest.param(dict(top_p=1.5), "top_p must be in (0, 1]", id="top-p-above-one"),
     pytest.param(dict(top_k=-3), "top_k must be >= 0", id="negative-top-k"),
     pytest.param(dict(logprobs=99), "logprobs must be in [0, 20]", id="too-many-logprobs"),
@@ -223,6 +225,28 @@ def test_cli_generate_json(addr, tmp_path, oracle):
         assert key in result
     assert result["token_ids"] == oracle.generate("What is in this picture?", [SQUARE], max_new_tokens=8)[0]
     assert result["image_tokens"] == 196
+
+
+def test_cli_generate_prompt_file_carries_what_a_command_line_cannot(addr, tmp_path, oracle):
+    """--prompt-file: the same answer as --prompt; a 5 MB prompt (past what argv takes) reaches the
+    router, which refuses it for the context window in one line; - reads stdin."""
+    prompt = "What is in this picture?"
+    (tmp_path / "prompt.txt").write_text(prompt)
+    (tmp_path / "square.png").write_bytes(SQUARE)
+    base = [sys.executable, "-m", "control.cli", "generate", "--addr", addr, "--image", str(tmp_path / "square.png"),
+            "--max-tokens", "8", "--json"]
+    out = subprocess.run([*base, "--prompt-file", str(tmp_path / "prompt.txt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["token_ids"] == oracle.generate(
+        prompt, [SQUARE], max_new_tokens=8)[0]
+    out = subprocess.run([*base, "--prompt-file", "-"], input=prompt, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1])["text"], out.stderr
+    (tmp_path / "huge.txt").write_text("word " * 1_000_000)  # 5 MB
+    out = subprocess.run([*base, "--prompt-file", str(tmp_path / "huge.txt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("INVALID_ARGUMENT: "), out.stderr
+    assert "context window" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_cli_generate_failure_names_the_status(addr, tmp_path):

@@ -1,7 +1,8 @@
 """Fuzzing the real router: a running `epd serve` of the tiny model gets thousands of generated
 requests (every field of GenerateRequest: roles, mixed text and image parts, empty parts, control
 tokens and odd Unicode in text, images of odd sizes and formats, mutated and truncated image bytes,
-sampling values in and far out of range, stop strings, max_pixels, thinking, request ids).
+sampling and logits-processing values in and far out of range, stop strings and stop tokens,
+max_pixels, thinking, request ids, completion prompts as text or token ids, cache salts, names).
 
 Only OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED or UNAUTHENTICATED may come back; INTERNAL, UNKNOWN,
 any other status, or no answer within a generous deadline fails the test. Afterwards the stack
@@ -159,8 +160,9 @@ INT32 = st.integers(-2**31, 2**31 - 1)
 @st.composite
 def requests(draw) -> epd_pb2.GenerateRequest:
     messages = draw(st.lists(st.builds(
-        lambda role, content: epd_pb2.ChatMessage(role=role, content=content),
-        ROLES, st.lists(parts(), min_size=1, max_size=4)), min_size=1, max_size=4)) if draw(st.integers(0, 31)) else []
+        lambda role, content, name: epd_pb2.ChatMessage(role=role, content=content, name=name),
+        ROLES, st.lists(parts(), min_size=1, max_size=4), _mostly(st.just(""), TEXT)),
+        min_size=1, max_size=4)) if draw(st.integers(0, 31)) else []
     sampling = epd_pb2.SamplingParams(
         stop=draw(st.lists(TEXT, max_size=3)),
         ignore_eos=draw(st.booleans()),
@@ -172,12 +174,27 @@ def requests(draw) -> epd_pb2.GenerateRequest:
         "top_p": draw(_optional(_mostly(st.floats(0, 1, exclude_min=True, width=32), ANY_FLOAT))),
         "top_k": draw(_optional(_mostly(st.integers(0, 50), INT32))),
         "seed": draw(_optional(st.integers(0, 2**64 - 1))),
+        "min_p": draw(_optional(_mostly(st.floats(0, 1, width=32), ANY_FLOAT))),
+        "presence_penalty": draw(_optional(_mostly(st.floats(-2, 2, width=32), ANY_FLOAT))),
+        "frequency_penalty": draw(_optional(_mostly(st.floats(-2, 2, width=32), ANY_FLOAT))),
+        "repetition_penalty": draw(_optional(_mostly(st.floats(0.5, 2, width=32), ANY_FLOAT))),
+        "min_tokens": draw(_optional(_mostly(st.integers(0, MAX_TOKENS_LIMIT), st.integers(0, 2**32 - 1)))),
     }
+    token = _mostly(st.integers(0, 300), INT32)
+    sampling.stop_token_ids.extend(draw(st.lists(token, max_size=3)))
+    for key, bias in draw(st.dictionaries(token, _mostly(st.floats(-100, 100, width=32), ANY_FLOAT), max_size=3)).items():
+        sampling.logit_bias[key] = bias
     for name, value in values.items():
         if value is not None:
             setattr(sampling, name, value)
     request = epd_pb2.GenerateRequest(request_id=draw(TEXT), messages=messages, sampling=sampling,
-                                      enable_thinking=draw(st.booleans()))
+                                      enable_thinking=draw(st.booleans()), cache_salt=draw(_mostly(st.just(""), TEXT)),
+                                      return_prompt_token_ids=draw(st.booleans()))
+    completion = draw(st.integers(0, 7))  # now and then a completion's prompt instead (or beside the messages)
+    if completion == 1:
+        request.prompt = draw(TEXT)
+    elif completion == 2:
+        request.prompt_token_ids.extend(draw(st.lists(token, max_size=8)))
     max_pixels = draw(_optional(_mostly(st.sampled_from([0, 65536, 65537, 200000]), st.integers(0, 2**64 - 1))))
     if max_pixels is not None:
         request.max_pixels = max_pixels

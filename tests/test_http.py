@@ -221,8 +221,8 @@ def test_errors_come_in_openai_shape(stack):
     cases = [
         ({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, KEY, 400, "tools: not supported"),
         ({**ok, "response_format": {"type": "json_object"}}, KEY, 400, "response_format: not supported"),
-        ({**ok, "n": 2}, KEY, 400, "n must be 1"),
-        ({**ok, "frequency_penalty": 0.5}, KEY, 400, "frequency_penalty is not supported"),
+        ({**ok, "n": 17}, KEY, 400, "n must be an integer in [1, 16]"),
+        ({**ok, "logit_bias": {"x": 1}}, KEY, 400, "logit_bias: key 'x' is not a token id"),
         ({**ok, "stream_options": {"include_usage": True}}, KEY, 400, "only allowed with stream"),
         ({**ok, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, KEY, 400,
          "got type 'input_audio'"),
@@ -237,7 +237,10 @@ def test_errors_come_in_openai_shape(stack):
         assert set(reply["error"]) == {"message", "type", "param", "code"}
         assert message in reply["error"]["message"]
     # Bad input has the gRPC front's INVALID_ARGUMENT message, word for word.
-    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 100000}):
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 1.5}, {"max_tokens": 100000},
+                {"frequency_penalty": 2.5}, {"presence_penalty": -3.0}, {"repetition_penalty": 0.0}, {"min_p": 1.5},
+                {"max_tokens": 2, "min_tokens": 3}, {"stop_token_ids": [10**9]}, {"logit_bias": {10**8: 1.0}},
+                {"logit_bias": {5: 101.0}}):
         with pytest.raises(grpc.RpcError) as raised:
             stack.generate("hello", **bad)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -333,3 +336,51 @@ def test_generate_messages_in_openai_format(stack, tmp_path, oracle):
     out = subprocess.run([sys.executable, "-m", "control.cli", "generate", "--addr", stack.grpc, "--messages",
                           str(bad)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "cannot read image" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_directory_named_as_a_local_image_is_a_400_naming_it(stack):
+    """An I/O error of a media fetch is the client's URL's problem: 400 with a reason, never a 500."""
+    os.makedirs(os.path.join(stack.media_dir, "album"), exist_ok=True)
+    for url in (f"file://{stack.media_dir}/album", f"file://{stack.media_dir}/"):
+        status, reply = stack.post({"model": MODEL, "messages": _chat("What is it?", url), "max_tokens": 2})
+        assert status == 400, reply
+        assert "is a directory" in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_a_stream_sends_its_headers_once_accepted_not_at_the_first_token(stack):
+    """With prefill stopped (SIGSTOP) no token can come, yet a streamed request gets its status
+    line, headers and the assistant-role chunk at once; the tokens follow once prefill runs again."""
+    import signal
+
+    prefill = epd_status(ray_address(stack.serve))["roles"]["prefill"][0]["pid"]
+    body = json.dumps({"model": MODEL, "messages": _chat("Count to ten."), "max_tokens": 4, "stream": True}).encode()
+    host, port = stack.http.split(":")
+    os.kill(prefill, signal.SIGSTOP)
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.settimeout(1.5)  # well inside the controller's 2 s probe timeout
+            received = b""
+            try:
+                while b'"role":"assistant"' not in received:
+                    data = sock.recv(65536)
+                    if not data:
+                        break
+                    received += data
+            except TimeoutError:
+                pass
+            head = received.split(b"\r\n", 1)[0]
+            assert head == b"HTTP/1.1 200 OK", received[:300]
+            assert b"text/event-stream" in received and b'"role":"assistant"' in received
+            assert received.count(b"data: ") == 1  # the role chunk only: no token yet
+            os.kill(prefill, signal.SIGCONT)
+            sock.settimeout(60)
+            while b"data: [DONE]" not in received:
+                data = sock.recv(65536)
+                assert data, received[-500:]
+                received += data
+    finally:
+        os.kill(prefill, signal.SIGCONT)
+    assert b'"finish_reason":"length"' in received and b'"error"' not in received

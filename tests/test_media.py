@@ -145,6 +145,11 @@ def test_local_files_only_under_the_allowed_directory(tmp_path):
     refused(config, "file:///etc/passwd", "outside the directory")
     refused(config, f"file://otherhost{root}/a.png", "not host")
     refused(config, f"file://{root}/missing.png", "cannot read")
+    # A directory under the root is the client's mistake (a 400 naming it), not an IsADirectoryError.
+    refused(config, f"file://{root}/sub", "is a directory, not an image file")
+    refused(config, f"file://{root}/", "is a directory")
+    os.mkfifo(root / "pipe.png")  # opened without blocking, refused before it is read
+    refused(config, f"file://{root}/pipe.png", "not a regular file")
 
 
 def test_config_checks_hosts_and_directory(tmp_path):

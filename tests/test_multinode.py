@@ -176,7 +176,8 @@ def test_roles_spread_over_two_hosts_by_resource_and_answers_match(hosts, tiny_m
     roles.write_text(ROLES_TOML)
     out = _epd(hosts, "deploy", "--address", head, "--model", tiny_model_dir,
                "--redis", f"redis://{hosts.ip['a']}:{redis_port}/0", "--encoders", "2", "--prefill", "1",
-               "--decode", "1", "--config", str(roles), "--namespace", "epdtest")
+               "--decode", "1", "--config", str(roles), "--namespace", "epdtest",
+               "--allow-plaintext-internal")
     assert out.returncode == 0, f"epd deploy failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     router = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("epd ready at "))
     assert router.startswith(hosts.ip["a"] + ":"), router

@@ -112,7 +112,8 @@ class Cluster:
         out = self.epd("deploy", "--address", f"{head.ip}:6379", "--model", "/opt/models/tiny",
                        "--redis", f"redis://:{self.redis_password}@{head.ip}:{REDIS_PORT}/0",
                        "--encoders", "3", "--encode-services", "2", "--prefill", "2", "--decode", "2",
-                       "--router-port", str(ROUTER_PORT), "--config", str(ROLES_FILE), "--namespace", NAMESPACE)
+                       "--router-port", str(ROUTER_PORT), "--config", str(ROLES_FILE), "--namespace", NAMESPACE,
+                       "--allow-plaintext-internal")
         routers = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("epd ready at ")]
         assert routers == [f"{head.ip}:{ROUTER_PORT}"], out.stdout[-3000:]
         return routers[0]

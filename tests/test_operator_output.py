@@ -96,3 +96,116 @@ def test_text_and_json_lines_name_role_and_request():
     assert {k: entries[0][k] for k in ("level", "role", "request_id", "logger")} == {
         "level": "WARNING", "role": "router-7", "request_id": "req-42", "logger": "router_svc.core"}
     assert entries[2]["request_id"] == "" and len(entries) == 3
+
+
+class _JsonServe(ServeProcess):
+    """`epd serve --log-format json`: its own lines (``epd ready at ...``) are JSON objects too."""
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        self.lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            self.lines.append(line)
+            if not line and self.proc.poll() is not None:
+                break
+            message = json.loads(line)["message"] if line.strip() else ""
+            if message.startswith("epd ready at "):
+                return message.removeprefix("epd ready at ").strip()
+        self.stop()
+        raise RuntimeError(f"epd serve did not become ready:\n{open(self.log.name).read()[-4000:]}")
+
+
+def test_json_logs_parse_line_by_line_and_one_id_follows_a_request_across_roles(tiny_model_dir, tmp_path):
+    """`--log-format json`: every line epd serve prints (its own, every role's, Ray's notice of a
+    worker killed under a request) is one JSON object. A request's id is on the router's access
+    line and on prefill's and decode's lines about it, the attempt after its decode worker was
+    killed (a resumed request) included; an HTTP request's chatcmpl id likewise; a client's bad
+    request is one INFO access line, no traceback."""
+    import os
+    import time
+    import urllib.request
+
+    from tests.conftest import epd_status
+
+    server = _JsonServe(tiny_model_dir, "--log-format", "json", "--log-level", "DEBUG", "--decode", "2",
+                        "--http-port", "0", log_path=str(tmp_path / "serve.log"))
+    try:
+        entries = [json.loads(line) for line in server.lines if line.strip()]
+        ray = next(e["message"].split()[2] for e in entries if e["message"].startswith("ray at "))
+        http = next(e["message"].split("http://", 1)[1].removesuffix("/v1") for e in entries
+                    if e["message"].startswith("epd http at "))
+        # gRPC, with the client's id; its decode worker is killed mid-stream, so it resumes elsewhere.
+        request = client.user_request("Tell a long story.", [make_image(64, 64, seed=3)], max_tokens=3000,
+                                      ignore_eos=True)
+        request.request_id = "trace-me-42"
+        summary, killed = None, None
+        for event in client.stream(server.address, request, timeout_s=300):
+            if event.WhichOneof("event") == "summary":
+                summary = event.summary
+            elif killed is None:
+                busy = [r for r in epd_status(ray)["roles"]["decode"] if r.get("in_flight")]
+                if busy:
+                    killed = busy[0]["pid"]
+                    os.kill(killed, signal.SIGKILL)
+                else:  # it finished before the look: nothing to kill (the assertion below says so)
+                    killed = 0
+        assert killed, "the request was not on a decode worker when looked at"
+        assert summary is not None and summary.request_id == "trace-me-42" and summary.resumes >= 1, summary
+        assert summary.completion_tokens == 3000
+        # HTTP, and a bad request from a client.
+        def post(body: dict) -> dict:
+            req = urllib.request.Request(f"http://{http}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as reply:
+                    return json.loads(reply.read())
+            except urllib.error.HTTPError as error:
+                return json.loads(error.read())
+
+        answer = post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert answer["id"].startswith("chatcmpl-")
+        assert post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3})["error"]["code"] \
+            == "invalid_argument"
+        time.sleep(1.5)  # Ray forwards the roles' lines within about a second
+    finally:
+        alive = server.stop(signal.SIGTERM)
+    assert alive == []
+    stdout = "".join(server.lines) + server.proc.stdout.read()
+    text = (tmp_path / "serve.log").read_text()
+    lines = [line for line in (stdout + text).splitlines() if line.strip()]
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+        assert isinstance(entry, dict) and {"ts", "level", "role", "message"} <= set(entry), line
+        entries.append(entry)
+    assert "\x1b[" not in stdout + text and "Traceback" not in stdout + text
+    assert any(e["message"] == "epd stopped" for e in entries)
+
+    def about(request_id: str, role: str) -> list[dict]:
+        return [e for e in entries if e.get("request_id") == request_id and e["role"].startswith(role)]
+
+    access = [e for e in about("trace-me-42", "router-") if e["logger"] == "epd.access"]
+    assert len(access) == 1 and access[0]["level"] == "INFO", access
+    assert {k: access[0][k] for k in ("front", "status", "finish_reason", "output_tokens", "images")} == {
+        "front": "grpc", "status": "OK", "finish_reason": "length", "output_tokens": 3000, "images": 1}
+    assert access[0]["prompt_tokens"] > 0 and 0 < access[0]["ttft_s"] <= access[0]["e2e_s"]
+    assert "cached_tokens" in access[0]
+    prefills = [e for e in about("trace-me-42", "prefill-") if e.get("method") == "Prefill"]
+    assert len(prefills) >= 2, prefills  # the first attempt and the resumed one
+    decodes = {e["role"] for e in about("trace-me-42", "decode-") if e.get("method") == "Handoff"}
+    assert len(decodes) == 2, decodes  # both decode workers it ran on name it
+    assert about("trace-me-42", "encode-"), "the Encoder service's lines name it too"
+    assert any(e["role"] == "router-4" or e["role"].startswith("router-") for e in about("trace-me-42", "router-")
+               if "lost request" in e["message"])  # the resume, under the same id
+    http_id = answer["id"]
+    assert [e["status"] for e in about(http_id, "router-") if e["logger"] == "epd.access"] == ["OK"]
+    assert about(http_id, "prefill-") and about(http_id, "decode-")
+    refused = [e for e in entries if e["logger"] == "epd.access" and e["status"] == "INVALID_ARGUMENT"]
+    assert len(refused) == 1 and refused[0]["level"] == "INFO" and "max_tokens" in refused[0]["error"]
+    assert not [e for e in entries if e["level"] in ("WARNING", "ERROR") and "max_tokens" in e["message"]]

@@ -52,7 +52,7 @@ REDIS_START = (
 DEPLOY = (
     "ray exec deploy/onprem.yaml \"epd deploy --address {head}:6379 --model {model}"
     " --redis redis://:$REDIS_PASSWORD@{head}:6380/0 --encoders 2 --prefill 1 --decode 1 --router-port 50051"
-    " --config /opt/epd/src/deploy/roles-onprem.toml\"")
+    " --config /opt/epd/src/deploy/roles-onprem.toml --allow-plaintext-internal\"")
 EPD_STATUS = "ray exec deploy/onprem.yaml 'epd status --address {head}:6379'"
 DASHBOARD = "ray dashboard deploy/onprem.yaml"  # runs until stopped: an SSH port forward
 GENERATE = ("epd generate --addr {head}:50051 --prompt \"What is in this picture?\" --image cat.png"

@@ -153,6 +153,26 @@ def test_secrets_never_reach_the_log(secured):
     assert "router" in text  # the log is not empty: the check above means something
 
 
+def test_no_config_repr_or_report_shows_a_secret(tiny_model_dir):
+    """The Redis password, the API key and the internal token are in no repr of a config and in no
+    report of one (``epd.config.redacted``, what ``epd bench --json`` writes)."""
+    import json
+
+    from epd.config import DeployConfig, SecurityConfig, ServeConfig, StoreConfig, redacted
+
+    password = "redis-password-for-the-test-77"
+    store = StoreConfig(redis_url=f"redis://:{password}@10.0.0.5:6380/0")
+    config = DeployConfig(ServeConfig(tiny_model_dir, store=store,
+                                      security=SecurityConfig(api_key=API_KEY, internal_token=TOKEN)))
+    for text in (repr(store), repr(config), str(config), json.dumps(redacted(config))):
+        assert password not in text and API_KEY not in text and TOKEN not in text, text
+        assert "10.0.0.5:6380" in text  # the rest is still shown
+    report = redacted(config)
+    assert report["serve"]["store"]["redis_url"] == "redis://:***@10.0.0.5:6380/0"
+    assert report["serve"]["security"]["api_key"] == report["serve"]["security"]["internal_token"] == "***"
+    assert redacted(DeployConfig(ServeConfig(tiny_model_dir)))["serve"]["security"]["api_key"] == ""
+
+
 def _reflect(channel, metadata=None) -> list[str]:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -169,3 +169,27 @@ def test_a_stop_keeps_the_tokens_up_to_the_one_that_completed_it(tokenizer, batc
     assert stream.stopped and out == "one two three "
     assert kept == stream.token_ids == ids[:complete]
     assert stream.add(ids[-2:]) == "" and stream.consumed == 0 and stream.token_ids == ids[:complete]
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens(tokenizer):
+    """vLLM's rule: with min_tokens, a stop string completed by one of the first min_tokens tokens
+    does not end the completion; one completed later does."""
+    ids = tokenizer.encode("one two one two one two")
+    first = next(n for n in range(1, len(ids) + 1) if "two" in _decode(tokenizer, ids[:n]))
+    eager = TextStream(tokenizer, stop=["two"])
+    _feed(eager, ids)
+    assert eager.stopped and len(eager.token_ids) == first and eager.matched == "two"
+    patient = TextStream(tokenizer, stop=["two"], min_tokens=first)
+    text = "".join(_feed(patient, ids))
+    assert patient.stopped and len(patient.token_ids) > first
+    assert text.count("two") == 1 and text.startswith(_decode(tokenizer, ids[:first]))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_stop_token_counts_but_its_text_is_left_out(tokenizer, batch):
+    ids = tokenizer.encode("alpha beta gamma delta")
+    stream = TextStream(tokenizer, stop=[])
+    text = "".join(_feed(stream, ids[:-1], batch))
+    text += stream.add(ids[-1:], ends=True) + stream.flush()
+    assert text == _decode(tokenizer, ids[:-1]) and stream.token_ids == ids and stream.stop_token == ids[-1]
+    assert stream.add([5]) == "" and stream.token_ids == ids  # nothing after it

@@ -15,15 +15,24 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: _containers.RepeatedCompositeFieldContainer[ContentPart]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs", "stop_token_ids", "min_tokens", "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +41,13 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -40,21 +56,36 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_tokens: int
+    logit_bias: _containers.ScalarMap[int, float]
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "max_pixels", "enable_thinking")
+    __slots__ = ("request_id", "messages", "sampling", "max_pixels", "enable_thinking", "prompt", "prompt_token_ids", "cache_salt", "return_prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     max_pixels: int
     enable_thinking: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_pixels: _Optional[int] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    return_prompt_token_ids: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_pixels: _Optional[int] = ..., enable_thinking: _Optional[bool] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -73,17 +104,21 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_tokens", "prompt_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_tokens: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings", "resumes")
+    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings", "resumes", "stop_string", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +133,8 @@ class Summary(_message.Message):
     IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     image_tokens: int
@@ -112,7 +149,9 @@ class Summary(_message.Message):
     images_cached: int
     timings: StageTimings
     resumes: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., resumes: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., resumes: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("encode_s", "store_write_s", "store_read_s", "prefill_s", "handoff_s", "handoff_bytes", "queue_s")
@@ -195,7 +234,14 @@ class ImageRef(_message.Message):
     def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ..., embedding: _Optional[bytes] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs", "stop_token_ids", "min_tokens", "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +249,13 @@ class ResolvedSampling(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -210,23 +263,32 @@ class ResolvedSampling(_message.Message):
     seed: int
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    min_tokens: int
+    logit_bias: _containers.ScalarMap[int, float]
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "images", "sampling", "deadline_unix", "num_generated")
+    __slots__ = ("request_id", "token_ids", "images", "sampling", "deadline_unix", "num_generated", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     sampling: ResolvedSampling
     deadline_unix: float
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., num_generated: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes", "store_read_s", "cached_tokens", "queue_s")
@@ -265,7 +327,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "rope_delta", "first_token", "sampling", "deadline_unix", "tensors", "num_generated")
+    __slots__ = ("request_id", "prompt_len", "rope_delta", "first_token", "sampling", "deadline_unix", "tensors", "num_generated", "generated_token_ids", "prompt_token_set")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +336,8 @@ class HandoffHeader(_message.Message):
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_SET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     rope_delta: int
@@ -282,7 +346,9 @@ class HandoffHeader(_message.Message):
     deadline_unix: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_set: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_generated: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_set: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("header", "data")

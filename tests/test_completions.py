@@ -1,0 +1,145 @@
+"""The legacy ``POST /v1/completions`` (and the gRPC completion prompt under it) through a real
+`epd serve` and the `openai` client: a prompt as text or token ids is completed as it is (no chat
+template), greedy tokens equal transformers' generate on the raw prompt ids, streamed and not, with
+echo, the legacy integer logprobs, stop strings, seeds and usage; what is refused names its field."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import openai
+import pytest
+import torch
+
+from epd import client
+from epd.v1 import epd_pb2
+from tests.conftest import serving
+
+MODEL = "epd-tiny"
+PROMPT = "The quick brown fox jumps over"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    port = _free_port()
+    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", MODEL,
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
+        server.completions = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                           timeout=120).completions
+        yield server
+
+
+def _ids(oracle, text: str) -> list[int]:
+    return oracle.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def _generate(oracle, ids: list[int], n: int, ignore_eos: bool = True) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of the raw ids, and the first token's logits."""
+    inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.zeros(1, len(ids), dtype=torch.int)}
+    if ignore_eos:
+        tokens = oracle.generate_through_eos(inputs, n)
+    else:
+        tokens = oracle.model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    logits = oracle.model(**inputs).logits[0, -1].float()
+    return tokens, logits
+
+
+def test_greedy_completion_equals_transformers_generate_on_the_raw_prompt(stack, oracle):
+    ids = _ids(oracle, PROMPT)
+    expected, logits = _generate(oracle, ids, 24)
+    reply = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, logprobs=3,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert choice.token_ids == expected and choice.prompt_token_ids == ids
+    assert choice.text == oracle.decode(expected) and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        len(ids), 24, len(ids) + 24)
+    # The legacy logprobs object: one entry per token, the first token's against transformers' logits.
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 24
+    reference = torch.log_softmax(logits, dim=-1)
+    assert abs(lp.token_logprobs[0] - float(reference[expected[0]])) < 1e-4
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(24)]
+    # The same prompt as token ids, and as a list of one prompt, gives the same tokens.
+    for prompt in (ids, [ids], [PROMPT]):
+        again = stack.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert again.choices[0].token_ids == expected
+    # Without ignore_eos: transformers' own stopping.
+    stopped, _ = _generate(oracle, ids, 40, ignore_eos=False)
+    plain = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={"return_token_ids": True})
+    assert plain.choices[0].token_ids == stopped
+
+
+def test_streamed_echo_stop_and_seed(stack, oracle):
+    ids = _ids(oracle, PROMPT)
+    expected, _ = _generate(oracle, ids, 20)
+    whole = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, echo=True,
+                                     extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == PROMPT + oracle.decode(expected)
+    chunks = list(stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stream=True, echo=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])] == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    # A stop string: the text ends before it.
+    text = oracle.decode(expected)
+    stop = text[len(text) // 2:][:3]
+    cut = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stop=[stop],
+                                   extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+    # Seeded sampling: the same seed, the same text; the answers are not greedy's.
+    runs = [stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.95, seed=7,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0] != expected[:16]
+
+
+def test_the_grpc_completion_prompt(stack, oracle):
+    ids = _ids(oracle, PROMPT)
+    expected, _ = _generate(oracle, ids, 12)
+    for request in (epd_pb2.GenerateRequest(prompt=PROMPT), epd_pb2.GenerateRequest(prompt_token_ids=ids)):
+        request.sampling.max_tokens, request.sampling.ignore_eos = 12, True
+        result = client.generate(stack.address, request, timeout_s=120)
+        assert result.token_ids == expected and result.summary.prompt_tokens == len(ids)
+    for request, message in [
+        (epd_pb2.GenerateRequest(prompt=PROMPT, prompt_token_ids=ids), "not both"),
+        (epd_pb2.GenerateRequest(prompt=PROMPT, messages=[epd_pb2.ChatMessage(role="user")]), "not both"),
+        (epd_pb2.GenerateRequest(prompt_token_ids=[10**8]), "prompt_token_ids: 100000000 is not a token id"),
+        (epd_pb2.GenerateRequest(prompt_token_ids=[oracle.image_token_id]), "a completion has no images"),
+    ]:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate(stack.address, request, timeout_s=60)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in raised.value.details()
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": [1, "x"]}, "prompt must be a string, a list of token ids"),
+    ({"prompt": PROMPT, "suffix": "!"}, "suffix: not supported"),
+    ({"prompt": PROMPT, "best_of": 2}, "best_of: not supported"),
+    ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ({"prompt": PROMPT, "n": 17}, "n must be an integer in [1, 16]"),
+    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt must be a non-empty string"),
+    ({"prompt": PROMPT, "min_p": 2.0}, "min_p must be in [0, 1]"),
+    ({"prompt": [[10**8]]}, "is not a token id"),
+])
+def test_refusals_name_the_field(stack, extra, message):
+    with pytest.raises(openai.BadRequestError) as raised:
+        stack.completions.create(model=MODEL, max_tokens=4, **{"prompt": extra.pop("prompt")}, extra_body=extra)
+    assert message in raised.value.body["message"]
