@@ -2,12 +2,15 @@
 #   make demo   create the tiny checkpoint if missing, serve it, send an image request,
 #               print the streamed answer and whether it matches transformers
 #   make test   the test suite (what CI runs)
+#   make vllm-env  vLLM's CPU build in a virtual environment of its own ($(VLLM_VENV)), for
+#               `epd bench --baseline vllm`; idempotent (scripts/vllm_env.py says what it did)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= models/tiny
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: install demo test test-slow protos clean
+.PHONY: install demo test test-slow protos clean vllm-env
 
 install: $(VENV)/.installed
 
@@ -33,6 +36,10 @@ test-slow: install
 
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/epd/v1/epd.proto
+
+# Never in epd's venv: vLLM pins its own transformers. Needs only python3 and the package registry.
+vllm-env:
+	$(PYTHON) scripts/vllm_env.py $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

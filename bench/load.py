@@ -50,20 +50,22 @@ APIS = ("grpc", "openai")
 
 
 class LoadRunner:
-    def __init__(self, address: str, settings: LoadSettings, api: str = "grpc", api_key: str | None = None) -> None:
+    def __init__(self, address: str, settings: LoadSettings, api: str = "grpc", api_key: str | None = None,
+                 label: str = "epd") -> None:
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}, got {api!r}")
         self.address = address
         self.settings = settings
         self.api = api
         self.api_key = api_key
+        self.label = label  # the progress bar's name
         self.sampling = epd_pb2.SamplingParams(max_tokens=settings.output_tokens, temperature=0.0, ignore_eos=True)
 
     def run(self, workload: Workload) -> tuple[list[RequestRecord], float]:
         """Every request's record (in completion order) and the run's wall time in seconds."""
         records: list[RequestRecord] = []
         with rpc.channel(self.address) as channel, \
-                tqdm(total=workload.num_requests, desc="epd", unit="req", leave=False) as bar:
+                tqdm(total=workload.num_requests, desc=self.label, unit="req", leave=False) as bar:
             if self.api == "openai":
                 stub = OpenAIStub(self.address, self.settings.timeout_s, self.api_key)
             else:

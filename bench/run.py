@@ -1,8 +1,10 @@
 """``epd bench``: build the workload, run it through epd (a running router, or a local stack this
-starts and stops), optionally through the transformers baseline after it, and report.
+starts and stops), optionally through a baseline after it (transformers in this process, or a
+vLLM server this starts: ``bench.peers.vllm``), and report.
 
 The epd phase runs first and its stack is stopped before the baseline loads, so the two never
-compete for the machine, and both figures come from one invocation on one workload.
+compete for the machine, and both figures come from one invocation on one workload. The load
+average is sampled during each system's run (other work on the cores skews every figure).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import threading
 from dataclasses import dataclass
 
 from bench.load import APIS, LoadRunner, LoadSettings
@@ -31,7 +34,7 @@ from bench.workload import (
 )
 from epd.config import ConfigError, DeployConfig, redacted
 
-BASELINES = ("transformers",)
+BASELINES = ("transformers", "vllm")
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -66,7 +69,8 @@ class BenchConfig:
     seed: int = 0
     """Fixes images, prompts, repeats and arrival times."""
     baseline: str | None = None
-    """``transformers``: run the same workload through Qwen3_5ForConditionalGeneration.generate."""
+    """``transformers``: run the same workload through Qwen3_5ForConditionalGeneration.generate;
+    ``vllm``: through a vLLM CPU server started on the same checkpoint (``bench.peers.vllm``)."""
     json_path: str | None = None
     plot_path: str | None = None
     slo_ttft_s: float | None = None
@@ -84,6 +88,8 @@ class BenchConfig:
     /v1/chat/completions; with --addr, give the HTTP front's HOST:PORT)."""
     api_key: str | None = dataclasses.field(default=None, repr=False)
     """Sent as a bearer token when the deployment requires one (from EPD_API_KEY)."""
+    vllm_env: str | None = None
+    """The vLLM baseline's virtual environment (``make vllm-env``); None: ``bench.peers.vllm``'s default."""
 
     def __post_init__(self) -> None:
         _check((self.addr is None) != (self.stack is None), "addr/model", "give exactly one of --addr and --model")
@@ -105,7 +111,9 @@ class BenchConfig:
         _check(1 <= self.turns <= 1000, "turns", f"must be in [1, 1000], got {self.turns}")
         _check(self.baseline in (None, *BASELINES), "baseline", f"must be one of {BASELINES}, got {self.baseline!r}")
         _check(self.baseline is None or self.model_dir is not None, "baseline",
-               "--baseline transformers runs on local weights: give --model DIR (not --addr)")
+               f"--baseline {self.baseline} runs on local weights: give --model DIR (not --addr)")
+        _check(self.baseline != "vllm" or self.dtype == "bfloat16", "baseline",
+               "vLLM's CPU engine runs this model in bfloat16 only: add --dtype bfloat16 (epd then runs in it too)")
         _check(0 <= self.baseline_threads <= 1024, "baseline_threads",
                f"must be in [0, 1024], got {self.baseline_threads}")
         _check(0 <= self.warmup <= 1000, "warmup", f"must be in [0, 1000], got {self.warmup}")
@@ -155,8 +163,9 @@ def run_bench(config: BenchConfig) -> dict:
     workload = build_workload(config.workload_spec(), prompts)
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
     limits = _measure_limits(config)  # on the quiet machine, before either system runs
-    records, duration = _run_epd(config, workload)
-    report = {**summarize(records, duration, slo), **stage_figures(records)}
+    with LoadSampler() as epd_load:
+        records, duration = _run_epd(config, workload)
+    report = {**summarize(records, duration, slo), **stage_figures(records), "load_avg": epd_load.figures()}
     report["workload"] = {"conversations": len(workload.conversations), "unique_images": workload.num_unique_images,
                           "repeated_images": workload.num_repeated_images}
     if limits is not None:
@@ -168,14 +177,26 @@ def run_bench(config: BenchConfig) -> dict:
 
         from bench.baseline import run_transformers
 
-        base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload, config.output_tokens,
-                                                       config.baseline_threads)
+        with LoadSampler() as base_load:
+            base_records, base_duration = run_transformers(config.model_dir, config.dtype, workload,
+                                                           config.output_tokens, config.baseline_threads)
         report["baseline"] = {"name": "transformers", "torch_threads": torch.get_num_threads(),
-                              **summarize(base_records, base_duration, slo)}
-        if limits is not None:
-            report["baseline"]["efficiency"] = _efficiency(report["roofline"], base_duration)
+                              **summarize(base_records, base_duration, slo), "load_avg": base_load.figures()}
         samples["transformers"] = latency_samples(base_records)
-        report.update(_comparison(report, report["baseline"]))
+        merge_baseline(report, limits is not None)
+    elif config.baseline == "vllm":
+        from bench.peers.vllm import VllmUnavailable
+
+        try:
+            with LoadSampler() as base_load:
+                base_records, base_duration, server = _run_vllm(config, workload)
+        except VllmUnavailable as error:  # epd's figures stand; the report says why vLLM's are missing
+            report["baseline_error"] = str(error)
+        else:
+            report["baseline"] = {"name": "vllm", "server": server, **summarize(base_records, base_duration, slo),
+                                  "load_avg": base_load.figures()}
+            samples["vllm"] = latency_samples(base_records)
+            merge_baseline(report, limits is not None)
     report.update({"config": config.to_json(), "machine": host,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     report["requests"] = report.pop("requests")  # the long per-request list last, for readers of the file
@@ -264,6 +285,116 @@ def _comparison(epd: dict, baseline: dict) -> dict:
     }
 
 
+RATE_KEYS = ("throughput_tok_s", "request_throughput", "goodput")
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(epd: dict, baseline: dict) -> dict:
+    """epd's figure over the baseline's, for every figure both report: the rates (above 1: epd
+    does more per second), the latency percentiles (below 1: epd is faster), the wall time."""
+    out = {key: _ratio(epd[key], baseline[key]) for key in RATE_KEYS}
+    out["duration_s"] = _ratio(epd["duration_s"], baseline["duration_s"])
+    for key in LATENCY_KEYS:
+        out[key] = {p: _ratio(epd[key][p], baseline[key][p]) for p in ("mean", "p50", "p90", "p99")}
+    return out
+
+
+def merge_baseline(report: dict, with_roofline: bool) -> None:
+    """Put the baseline's share of the roofline and the epd/baseline ratios into ``report`` (whose
+    ``baseline`` holds the baseline's figures): the same roofline for both systems, so both
+    efficiencies are read against one number."""
+    baseline = report["baseline"]
+    if with_roofline:
+        baseline["efficiency"] = _efficiency(report["roofline"], baseline["duration_s"])
+    report.update(_comparison(report, baseline))
+    report["ratios"] = ratios(report, baseline)
+    # Both systems count the prompt of each request; a difference in a first turn means they saw
+    # different inputs (a chat template or an image resize of their own), which the reader has to
+    # know. Later turns carry each system's own earlier answers, so they may differ.
+    def firsts(rows: list[dict]) -> list[tuple[int, int]]:
+        return [(r["conversation"], r["prompt_tokens"]) for r in rows if r["turn"] == 0 and not r["error"]]
+
+    report["prompt_tokens_match"] = firsts(report["requests"]) == firsts(baseline["requests"])
+
+
+class LoadSampler:
+    """The 1-minute load average during a block, sampled every ``every_s`` seconds."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> LoadSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def figures(self) -> dict:
+        values = self.samples
+        return {"start": round(values[0], 2), "end": round(values[-1], 2),
+                "mean": round(sum(values) / len(values), 2), "max": round(max(values), 2),
+                "samples": len(values)}
+
+
+def _run_vllm(config: BenchConfig, workload: Workload):
+    """The workload through a vLLM server started for it on the bench's checkpoint (after epd's
+    stack stopped), through the same load generator over the OpenAI API; then the server stopped."""
+    from bench.peers import vllm
+
+    env = vllm.find_env(config.vllm_env)
+    model = _model_json(config.model_dir)
+    text = model.get("text_config", model)
+    sizes = [(s.width, s.height) for s in config.image_sizes]
+    longest = _longest_request(config, workload)
+    server = vllm.VllmServer(env, config.model_dir, dtype=config.dtype,
+                             max_model_len=vllm.model_len(config.stack.serve.router.max_model_len, longest,
+                                                          int(text.get("max_position_embeddings") or 0)),
+                             limit_mm=vllm.mm_limits(config.images_per_request, sizes))
+    print(f"starting vLLM {env.version} on {config.model_dir} (about a minute) ...", flush=True)
+    settings = LoadSettings(output_tokens=config.output_tokens, concurrency=config.concurrency,
+                            timeout_s=config.timeout_s)
+    try:
+        address = server.start()
+        records, duration = LoadRunner(address, settings, "openai", label="vllm").run(workload)
+    finally:
+        server.stop()
+    return records, duration, server.describe()
+
+
+def _model_json(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def _longest_request(config: BenchConfig, workload: Workload) -> int:
+    """An upper estimate of the longest request in tokens: its images, every turn's text (a word
+    is at least a token; PromptMaker keeps to the count), every earlier answer, the template."""
+    from epd.modelinfo import ModelInfo
+
+    settings = ModelInfo.load(config.model_dir).image_settings(64 * 1024 * 1024)
+    images = {image.index: image for c in workload.conversations for t in c.turns for image in t.images}
+    image_tokens = max((_image_tokens(image, settings) for image in images.values()), default=0)
+    return config.images_per_request * (image_tokens + 2) + config.turns * (config.prompt_tokens
+                                                                             + config.output_tokens + 16)
+
+
 def _write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -274,7 +405,7 @@ def _write_json(path: str, report: dict) -> None:
 def _write_plot(config: BenchConfig, report: dict, samples: dict) -> None:
     from bench.plot import write_plot
 
-    systems = {"epd": report, **({"transformers": report["baseline"]} if "baseline" in report else {})}
+    systems = {"epd": report, **({report["baseline"]["name"]: report["baseline"]} if "baseline" in report else {})}
     sizes = ",".join(f"{s.width}x{s.height}" for s in config.image_sizes) or "none"
     mode = f"concurrency {config.concurrency}" if config.concurrency else f"{config.request_rate:g} req/s"
     title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}, "
@@ -297,6 +428,10 @@ def format_report(report: dict) -> str:
                  f"{r['request_throughput']:.2f} req/s, {r['throughput_tok_s']:.1f} tok/s, goodput "
                  f"{r['goodput']:.2f} req/s"]
         lines += [f"  {key[:-2]:5s} ms mean/p50/p90/p99: {ms(r[key])}" for key in LATENCY_KEYS]
+        if "load_avg" in r:
+            load = r["load_avg"]
+            lines.append(f"  load average during the run (1 min): {load['start']:.2f} at start, mean "
+                         f"{load['mean']:.2f}, max {load['max']:.2f}; prompt tokens {r['prompt_tokens_total']}")
         lines += [f"  error: {error}" for error in r["errors"]]
         return lines
 
@@ -316,7 +451,25 @@ def format_report(report: dict) -> str:
                      f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
                      f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
     if "baseline" in report:
-        lines += block("transformers", report["baseline"])
+        base = report["baseline"]
+        name = base.get("name", "transformers")
+        if name == "vllm":
+            server = base["server"]
+            name = f"vllm {server['version']} (openai)"
+        lines += block(name, base)
+        if base.get("name") == "vllm":
+            startup = server["startup_s"]
+            lines.append(f"  server: started in {'n/a' if startup is None else f'{startup:.0f} s'}, "
+                         f"--max-model-len {server['max_model_len']}, "
+                         f"VLLM_CPU_OMP_THREADS_BIND={server['omp_threads_bind']}")
         lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "
                      f"TTFT p50 ratio {ratio(report['ttft_ratio'])}")
+        if "ratios" in report:
+            r = report["ratios"]
+            lines.append("epd / baseline: " + ", ".join(
+                [f"{key} {ratio(r[key])}" for key in ("throughput_tok_s", "goodput", "duration_s")]
+                + [f"{key[:-2]} p50 {ratio(r[key]['p50'])}" for key in LATENCY_KEYS]))
+            if not report.get("prompt_tokens_match", True):
+                lines.append(f"  note: the two systems counted different prompt tokens for the same first turns "
+                             f"({report['prompt_tokens_total']} and {base['prompt_tokens_total']} in all)")
     return "\n".join(lines)

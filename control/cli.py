@@ -20,7 +20,7 @@ from control import flags
 
 # epd.checkpoint.PRESETS' names, kept here so that argparse needs no torch import
 # (tests/test_checkpoint.py checks the two agree).
-PRESET_NAMES = ("tiny", "tiny-32k", "tiny-moe", "qwen3.5-0.8b")
+PRESET_NAMES = ("tiny", "tiny-32k", "tiny-hd64", "tiny-moe", "qwen3.5-0.8b")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +222,7 @@ def _add_generate_parser(command) -> None:
 
 def _add_bench_parser(command) -> None:
     bench = command(
-        "bench", help="load-test a router (or a local stack) and compare with transformers",
+        "bench", help="load-test a router (or a local stack) and compare with transformers or vLLM",
         description="Send a seeded synthetic workload (images, prompts, multi-turn conversations) to epd and "
                     "report TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.",
         epilog="Also: `epd bench decode-step --model DIR --batch-sizes 1,4,16` times the decode step alone "
@@ -250,8 +250,13 @@ def _add_bench_parser(command) -> None:
     bench.add_argument("--turns", type=_int_in(1, 1000), default=1, metavar="N",
                        help="turns per conversation; later turns resend the earlier ones with their answers")
     bench.add_argument("--seed", type=int, default=0, help="fixes images, prompts, repeats and arrivals")
-    bench.add_argument("--baseline", choices=["transformers"], default=None,
-                       help="also run the workload through transformers' generate (needs --model)")
+    bench.add_argument("--baseline", choices=["transformers", "vllm"], default=None,
+                       help="also run the workload, after epd, through transformers' generate in this process, or "
+                            "through a vLLM CPU server it starts on the same checkpoint (needs --model; vllm needs "
+                            "--dtype bfloat16 and `make vllm-env`)")
+    bench.add_argument("--vllm-env", default=None, metavar="DIR",
+                       help="vLLM's own virtual environment for --baseline vllm (default: $EPD_VLLM_ENV, else the "
+                            "repo's .venv-vllm, made by `make vllm-env`)")
     bench.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as one JSON object")
     bench.add_argument("--plot", dest="plot_path", metavar="PATH", help="write latency CDFs and throughput as a PNG")
     bench.add_argument("--slo-ttft", type=_float_in(0, 1e6, low_open=True), metavar="S",
@@ -353,10 +358,12 @@ def _cmd_bench(args) -> int:
                                         ("--internal-token-file", args.internal_token_file)) if value]
     if args.addr and stack_flags:
         args.parser.error(f"{', '.join(stack_flags)} configure the local stack: use them with --model, not --addr")
-    if args.baseline_threads and not args.baseline:
+    if args.baseline_threads and args.baseline != "transformers":
         args.parser.error("--baseline-threads applies to --baseline transformers")
+    if args.vllm_env and args.baseline != "vllm":
+        args.parser.error("--vllm-env applies to --baseline vllm")
     if args.baseline and not args.model:
-        args.parser.error("--baseline transformers runs on local weights: give --model DIR, not --addr")
+        args.parser.error(f"--baseline {args.baseline} runs on local weights: give --model DIR, not --addr")
     try:
         stack = None
         if args.model:
@@ -372,11 +379,21 @@ def _cmd_bench(args) -> int:
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
             warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
             api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
+            vllm_env=args.vllm_env,
         )
     except ConfigError as error:
         args.parser.error(str(error))
     if args.model:
         _check_checkpoint(args, args.model)
+    if args.baseline == "vllm":  # before anything starts: say in one line how to make it
+        from bench.peers.vllm import VllmUnavailable, find_env
+
+        try:
+            find_env(args.vllm_env)
+        except VllmUnavailable as error:
+            print(f"epd bench: error: {error}", file=sys.stderr)
+            return 2
+    if args.model:
         _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
     report = run_bench(config)
     print(format_report(report))
@@ -384,6 +401,9 @@ def _cmd_bench(args) -> int:
         print(f"wrote {config.json_path}")
     if config.plot_path:
         print(f"wrote {config.plot_path}")
+    if "baseline_error" in report:  # a vLLM server that would not start: epd's figures are above
+        print(f"epd bench: error: the baseline did not run: {report['baseline_error']}", file=sys.stderr)
+        return 1
     return 1 if report["failed"] == report["num_requests"] else 0
 
 

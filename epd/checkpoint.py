@@ -181,6 +181,15 @@ def _tiny_32k() -> PreTrainedConfig:
     return config
 
 
+def _tiny_hd64() -> PreTrainedConfig:
+    """``tiny`` with linear-attention head dims of 64: vLLM's CPU Gated DeltaNet kernels take only
+    64 or 128 (``tiny``'s 16 fails to load there), so ``epd bench --baseline vllm`` tests run on it."""
+    config = _tiny()
+    config.text_config.linear_key_head_dim = 64
+    config.text_config.linear_value_head_dim = 64
+    return config
+
+
 def _qwen35_0_8b() -> PreTrainedConfig:
     text = dict(
         hidden_size=1024,
@@ -220,6 +229,7 @@ def _qwen35_0_8b() -> PreTrainedConfig:
 PRESETS: dict[str, Callable[[], PreTrainedConfig]] = {
     "tiny": _tiny,
     "tiny-32k": _tiny_32k,
+    "tiny-hd64": _tiny_hd64,
     "tiny-moe": _tiny_moe,
     "qwen3.5-0.8b": _qwen35_0_8b,
 }

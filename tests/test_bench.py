@@ -281,6 +281,13 @@ def test_smoke_bench_local_stack_with_transformers_baseline(tiny_model_dir, tmp_
     assert report["baseline"]["torch_threads"] == 1
     assert report["speedup_throughput"] == pytest.approx(
         report["throughput_tok_s"] / report["baseline"]["throughput_tok_s"])
+    assert report["ratios"]["throughput_tok_s"] == pytest.approx(report["speedup_throughput"])
+    e2e = report["e2e_s"]["p50"] / report["baseline"]["e2e_s"]["p50"]
+    assert report["ratios"]["e2e_s"]["p50"] == pytest.approx(e2e)
+    assert report["prompt_tokens_match"] is True
+    for figures in (report, report["baseline"]):  # the load average while each system ran
+        load = figures["load_avg"]
+        assert load["samples"] >= 2 and 0 <= min(load["start"], load["end"]) <= load["max"]
     assert report["images_encoded"] == 4 and report["store_overhead_ratio"] > 0 and report["handoff_overhead_ratio"] > 0
     # The identical workload: each request's prompt is the same number of tokens in both systems.
     prompt_tokens = [r["prompt_tokens"] for r in report["requests"]]

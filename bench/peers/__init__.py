@@ -1,0 +1,1 @@
+"""Other serving systems ``epd bench`` can run the same workload through (``--baseline vllm``)."""
