@@ -104,9 +104,10 @@ class EncodeConfig:
     """Weights and activations dtype of the vision tower."""
     prepack: bool = True
     """On a CPU, run the vision tower's linear layers through oneDNN with pre-packed weights."""
-    max_queued_per_replica: int = 16
+    max_queued_per_replica: int = 128
     """Images an Encoder service lets queue or run per encoder replica taking work; a request whose
-    new images would go past it is refused with RESOURCE_EXHAUSTED. 0: no limit."""
+    new images would go past it is refused with RESOURCE_EXHAUSTED. High enough that a burst queues
+    while the autoscaler adds replicas (its signal is that queue); 0: no limit."""
 
     def __post_init__(self) -> None:
         _check_range(self.max_queued_per_replica, 0, 1 << 20, "encode.max_queued_per_replica")

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -353,10 +353,15 @@ class PrefillEngine:
         job.finished_at = time.perf_counter()
         if job.started_at is None:
             job.started_at = job.finished_at
-        if error is None:
-            job.done.set_result(None)
-        else:
-            job.done.set_exception(error)
+        if job.done.done():  # its caller went away: asyncio cancelled the future it awaited
+            return
+        try:
+            if error is None:
+                job.done.set_result(None)
+            else:
+                job.done.set_exception(error)
+        except InvalidStateError:
+            pass  # cancelled by the caller's loop at this very moment: nobody reads it
 
     def stop(self) -> None:
         """Stop the scheduler thread; prompts still waiting fail with UNAVAILABLE (their callers

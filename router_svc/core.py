@@ -359,7 +359,7 @@ class RouterCore:
 
     async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
-            reply, _ = await self.prefill.call("Prefill", job, run.remaining(), busy_next=True)
+            reply, _ = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True)
             return reply
         except rpc.RpcFailure as failure:
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
@@ -369,9 +369,25 @@ class RouterCore:
         self._count(retried_prefills=1)
         inline = await self._ensure_embeddings(run, force=True)
         generated = list(job.token_ids[len(run.prompt.token_ids):])
-        reply, _ = await self.prefill.call("Prefill", self._prefill_job(run, inline, generated), run.remaining(),
-                                           busy_next=True)
+        reply, _ = await self.prefill.call("Prefill", self._attempts(run, self._prefill_job(run, inline, generated)),
+                                           run.remaining(), busy_next=True)
         return reply
+
+    @staticmethod
+    def _attempts(run: _Run, job: epd_pb2.PrefillRequest):
+        """The Prefill request for each attempt: a retry (the prefill worker died under the call,
+        perhaps after it had handed the state to decode) gets a fresh internal id, so decode never
+        sees one id handed off twice; the stream then claims the last attempt's id."""
+        attempts = 0
+
+        def make() -> epd_pb2.PrefillRequest:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                run.request_id = job.request_id = uuid.uuid4().hex
+            return job
+
+        return make
 
     async def _relay(self, run: _Run, decode_addr: str, text: TextStream):
         """Relay decode's token batches as chunks; yields the finish reason (a str) last. When the
