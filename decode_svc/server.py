@@ -25,11 +25,10 @@ from epd.lm import TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
+from epd.sampling import history_for
 from epd.tensors import configure_threads
 from epd.v1 import epd_pb2, epd_pb2_grpc
-from epd.sampling import history_for
 from epd.wire import logprobs_to_proto, sampling_from_proto
-
 
 
 class DecodeServicer(epd_pb2_grpc.DecodeServicer):
