@@ -447,10 +447,11 @@ class HttpFront:
 
     # ------------------------------------------------------------ request -> GenerateRequest
 
-    async def build_request(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, ChatOptions]:
-        """Check every field and build the request; raises HttpError naming the field."""
+    def _common_fields(self, body: dict, allowed: set[str]) -> tuple[dict, int, bool, bool, bool]:
+        """What chat and completions check alike: unknown fields, the model, ``n``, ``stream`` and
+        its options. Returns the body without null fields, n, stream, include_usage, continuous."""
         body = {key: value for key, value in body.items() if value is not None}
-        unsupported = sorted(set(body) - SUPPORTED)
+        unsupported = sorted(set(body) - allowed)
         if unsupported:
             raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
                             code="unsupported_parameter")
@@ -465,6 +466,11 @@ class HttpFront:
             raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
         include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
         continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+        return body, n, stream, include_usage, continuous
+
+    async def build_request(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, ChatOptions]:
+        """Check every field and build the request; raises HttpError naming the field."""
+        body, n, stream, include_usage, continuous = self._common_fields(body, SUPPORTED)
         logprobs = _bool(body, "logprobs")
         top_logprobs = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if "top_logprobs" in body else 0
         if top_logprobs and not logprobs:
@@ -492,22 +498,7 @@ class HttpFront:
     async def build_completion(self, body: dict, request_id: str) -> tuple[epd_pb2.GenerateRequest, CompletionOptions]:
         """``POST /v1/completions``: check every field and build the request (the prompt tokenized
         here, as the request path would, so ``echo`` and ``return_token_ids`` know it)."""
-        body = {key: value for key, value in body.items() if value is not None}
-        unsupported = sorted(set(body) - COMPLETION_FIELDS)
-        if unsupported:
-            raise HttpError(400, f"{', '.join(unsupported)}: not supported by this server", param=unsupported[0],
-                            code="unsupported_parameter")
-        if "model" in body and body["model"] != self.model_name:
-            if not isinstance(body["model"], str):
-                raise HttpError(400, "model must be a string", param="model")
-            raise self._unknown_model(body["model"])
-        n = _integer(body, "n", 1, MAX_CHOICES) if "n" in body else 1
-        stream = _bool(body, "stream")
-        stream_options = _object(body, "stream_options", {"include_usage", "continuous_usage_stats"})
-        if stream_options and not stream:
-            raise HttpError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        include_usage = _bool(stream_options, "include_usage", "stream_options.include_usage")
-        continuous = _bool(stream_options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+        body, n, stream, include_usage, continuous = self._common_fields(body, COMPLETION_FIELDS)
         logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
         echo = _bool(body, "echo")
         if echo and logprobs is not None:
