@@ -6,15 +6,17 @@ told: copy a state into the next slot and its blocks, move a slot onto another, 
 slots. ``TextModelRunner.decode_step`` runs one batched step over it.
 
 Memory (docs/ARCHITECTURE.md, "The memory model"):
-- full-attention K/V: per layer one pool ``[(num_blocks + 1) * block_size, kv_heads, head_dim]`` of
-  token rows (the last block is all zeros: padding points at it); a slot's block table maps its
-  token ``t`` to row ``table[t // block_size] * block_size + t % block_size``. Nothing here is sized
-  by the longest request: a 100k-token request holds 100k tokens' rows, the others their own.
+- full-attention K/V: per layer one pool ``[num_blocks * block_size, kv_heads, head_dim]`` of
+  token rows; a slot's block table maps its token ``t`` to row ``table[t // block_size] *
+  block_size + t % block_size``. Nothing here is sized by the longest request: a 100k-token
+  request holds 100k tokens' rows, the others their own.
 - Gated DeltaNet conv and recurrent state: fixed-size per request, so per layer one buffer
   ``[max_slots, ...]``; the active slots are the leading rows (a view, never a copy).
 Both are allocated with ``torch.empty`` (pages are touched as they are first written), so the
-process grows to the budget with use, never past it. Unused rows are never read unmasked: a
-block's rows past a slot's length are masked in attention and zeroed when the block is taken.
+process grows to the budget with use, never past it. Attention reads exactly a slot's own rows
+(``attend``): one view of the pool when its table is one run of consecutive blocks (what
+``BlockPool`` placement aims for), the runs joined (a copy of that slot's rows) otherwise; no
+row past a slot's length is ever read, so blocks need no clearing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from decode_svc.blocks import BlockPool
+from epd import kernels
 from epd.lm import HybridState, TextModelRunner
 
 
@@ -40,8 +43,7 @@ class DecodeBatch:
         self.block_size = self.pool.block_size
         self.lengths: list[int] = []
         self.tables: list[list[int]] = []  # slot -> block ids (the scheduler's lists, shared)
-        self._null_block = self.pool.num_blocks  # one zero block past the pool's: what padding reads
-        rows = (self.pool.num_blocks + 1) * self.block_size
+        rows = self.pool.num_blocks * self.block_size
         self.keys: list[torch.Tensor | None] = [None] * runner.num_layers  # [rows, kv_heads, head_dim]
         self.values: list[torch.Tensor | None] = [None] * runner.num_layers
         self.conv: list[torch.Tensor | None] = [None] * runner.num_layers  # [max_slots, conv_dim, kernel]
@@ -53,9 +55,7 @@ class DecodeBatch:
             dtype = runner.state_dtype(name)
             if kind in ("keys", "values"):
                 _, heads, _, dim = shape
-                pool_rows = torch.empty(rows, heads, dim, dtype=dtype, device=device)
-                pool_rows[self._null_block * self.block_size:].zero_()
-                getattr(self, kind)[layer] = pool_rows
+                getattr(self, kind)[layer] = torch.empty(rows, heads, dim, dtype=dtype, device=device)
             else:
                 getattr(self, kind)[layer] = torch.empty(max_slots, *shape[1:], dtype=dtype, device=device)
         self._step: _StepIndex | None = None
@@ -91,13 +91,10 @@ class DecodeBatch:
         self._step = None
         slot = len(self.lengths)
         rows = self._rows(blocks, 0, length)
-        tail = self._block_tail(blocks, length)
         for layer in range(self.runner.num_layers):
             if self.keys[layer] is not None:
                 for pool, src in ((self.keys[layer], state.keys[layer]), (self.values[layer], state.values[layer])):
                     pool.index_copy_(0, rows, src[0].transpose(0, 1))
-                    if tail is not None:
-                        pool[tail] = 0
             else:
                 self.conv[layer][slot] = state.conv[layer][0]
                 self.recurrent[layer][slot] = state.recurrent[layer][0]
@@ -159,7 +156,7 @@ class DecodeBatch:
             if need > len(table):
                 if not self._own_pool:
                     raise RuntimeError(f"slot {slot} holds {len(table)} K/V blocks; its next token needs {need}")
-                table.extend(self.pool.allocate(need - len(table)))
+                table.extend(self.pool.allocate(need - len(table), after=table[-1] if table else None))
                 self._step = None
 
     def lengths_tensor(self) -> torch.Tensor:
@@ -170,51 +167,40 @@ class DecodeBatch:
         self._step = None
 
     @torch.inference_mode()
-    def attend_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
         """One decode step of full-attention layer ``layer``: store each slot's new ``key``/``value``
-        (``[slots, kv_heads, 1, head_dim]``) at its length, and return what each slot attends over:
-        keys and values ``[slots, kv_heads, T, head_dim]`` (gathered through the block tables, T the
-        longest slot's tokens) and a boolean mask ``[slots, 1, 1, T]``, or None when no slot is
-        shorter than T."""
+        (``[slots, kv_heads, 1, head_dim]``) at its length, then attend each slot's ``query``
+        (``[slots, heads, 1, head_dim]``, rotated) over its own tokens. Returns ``[slots, heads, 1,
+        head_dim]``."""
         step = self._step_index()
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(0, step.write, key[:, :, 0])
         values.index_copy_(0, step.write, value[:, :, 0])
-        size, longest = len(self.lengths), step.longest
-        gathered = [pool.index_select(0, step.read).view(size, longest, *pool.shape[1:]).transpose(1, 2)
-                    for pool in (keys, values)]
-        return gathered[0], gathered[1], step.mask
+        outs = [kernels.decode_attention(query[slot : slot + 1], _rows_of(keys, runs), _rows_of(values, runs), scale)
+                for slot, runs in enumerate(step.runs)]
+        return torch.cat(outs)
 
     # ------------------------------------------------------------ rows
 
     def _step_index(self) -> _StepIndex:
-        """The rows this step writes and reads, computed once per step (shared by every layer).
-        A block's first token also zeroes the block's other rows, so nothing stale is ever read."""
+        """The rows this step writes, and the runs of rows each slot reads (its tokens and the new
+        one), computed once per step (shared by every layer)."""
         if self._step is not None:
             return self._step
-        bs, device = self.block_size, self.runner.device
-        longest = max(self.lengths) + 1
-        width = -(-longest // bs)
-        table = torch.full((len(self.tables), width), self._null_block, dtype=torch.long)
-        for slot, blocks in enumerate(self.tables):
-            used = min(len(blocks), width)
-            table[slot, :used] = torch.tensor(blocks[:used], dtype=torch.long)
-        table = table.to(device)
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        slots = torch.arange(len(self.lengths), device=device)
-        current = table[slots, lengths // bs]
-        write = current * bs + lengths % bs
-        fresh = current[lengths % bs == 0]
-        if fresh.numel():
-            zero = (fresh[:, None] * bs + torch.arange(bs, device=device)).flatten()
-            for pool in (*self.keys, *self.values):
-                if pool is not None:
-                    pool[zero] = 0
-        read = (table[:, :, None] * bs + torch.arange(bs, device=device)).flatten(1)[:, :longest].flatten()
-        mask = None
-        if min(self.lengths) + 1 != longest:  # ragged: hide each slot's unused tail
-            mask = (torch.arange(longest, device=device) <= lengths[:, None]).view(len(self.lengths), 1, 1, longest)
-        self._step = _StepIndex(write, read, longest, mask)
+        bs, write, runs = self.block_size, [], []
+        for blocks, length in zip(self.tables, self.lengths):
+            write.append(blocks[length // bs] * bs + length % bs)
+            slot_runs: list[tuple[int, int]] = []
+            for block in blocks[: length // bs + 1]:
+                if slot_runs and slot_runs[-1][1] == block * bs:
+                    slot_runs[-1] = (slot_runs[-1][0], (block + 1) * bs)
+                else:
+                    slot_runs.append((block * bs, (block + 1) * bs))
+            start, stop = slot_runs[-1]
+            slot_runs[-1] = (start, stop - bs + length % bs + 1)  # the last block up to the new token
+            runs.append(slot_runs)
+        self._step = _StepIndex(torch.tensor(write, dtype=torch.long, device=self.runner.device), runs)
         return self._step
 
     def _rows(self, blocks: list[int], start: int, stop: int) -> torch.Tensor:
@@ -224,16 +210,17 @@ class DecodeBatch:
         rows = (table[:, None] * bs + torch.arange(bs)).flatten()[start:stop]
         return rows.to(self.runner.device)
 
-    def _block_tail(self, blocks: list[int], length: int) -> torch.Tensor | None:
-        """Rows of ``blocks`` past ``length`` tokens (zeroed when a state is added)."""
-        end = len(blocks) * self.block_size
-        if end == length:
-            return None
-        return self._rows(blocks, length, end)
+
+def _rows_of(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``pool``'s rows over ``runs``: a view for one run, a copy joining them otherwise."""
+    if len(runs) == 1:
+        start, stop = runs[0]
+        return pool[start:stop]
+    return torch.cat([pool[start:stop] for start, stop in runs])
 
 
 class _StepIndex:
-    __slots__ = ("write", "read", "longest", "mask")
+    __slots__ = ("write", "runs")
 
-    def __init__(self, write: torch.Tensor, read: torch.Tensor, longest: int, mask: torch.Tensor | None) -> None:
-        self.write, self.read, self.longest, self.mask = write, read, longest, mask
+    def __init__(self, write: torch.Tensor, runs: list[list[tuple[int, int]]]) -> None:
+        self.write, self.runs = write, runs

@@ -242,7 +242,7 @@ class DecodeScheduler:
                     break
             if request.status is not RequestStatus.DECODING or need <= 0:
                 continue
-            request.blocks.extend(self.pool.allocate(need))
+            request.blocks.extend(self.pool.allocate(need, after=request.blocks[-1] if request.blocks else None))
             taken += need
         return preempted, swapped, taken
 

@@ -241,6 +241,31 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     return x if activation is None else ACT2FN[activation](x)
 
 
+# ---------------------------------------------------------------- decode attention
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's decode-step attention: ``query [1, heads, 1, dim]`` over its ``keys`` and
+    ``values`` ``[T, kv_heads, dim]`` (token rows of the paged pool, typically a view of it: any
+    row stride). Grouped-query: query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
+    transformers' ``repeat_kv``. Returns ``[1, heads, 1, dim]``.
+
+    float32 (the exactness mode) goes through ``scaled_dot_product_attention``, as transformers'
+    sdpa attention does. Other dtypes use two matrix products with a float32 softmax: on this
+    project's CPUs the fused kernel in bfloat16 is 4-5x slower than that for one query row
+    (docs/BENCHMARKS.md, "Decode attention").
+    """
+    if query.dtype == torch.float32 or query.device.type != "cpu":
+        return F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
+                                              values.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=True)
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = keys.shape[1]
+    grouped = query.view(kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.permute(1, 2, 0))  # [kv_heads, group, T]
+    probs = torch.softmax(scores.float().mul_(scale), dim=-1).to(values.dtype)
+    return torch.matmul(probs, values.transpose(0, 1)).view(1, heads, 1, dim)
+
+
 # ---------------------------------------------------------------- linear layers on a CPU
 
 

@@ -80,8 +80,8 @@ class HybridState:
 
 class BatchBuffers(Protocol):
     """What ``decode_step`` needs of a batch (``decode_svc.batch.DecodeBatch``): full-attention K/V
-    behind ``attend_kv`` (paged: it stores a step's new K/V and gathers what each slot attends
-    over), per-layer linear-attention slot buffers (``[slots, ...]``; the active slots are the
+    behind ``attend`` (paged: it stores a step's new K/V and attends each slot over its own
+    tokens through its block table), per-layer linear-attention slot buffers (``[slots, ...]``; the active slots are the
     leading rows) and each active slot's cached-token count."""
 
     conv: list[torch.Tensor | None]  # [capacity, conv_dim, kernel] per linear-attention layer
@@ -93,11 +93,10 @@ class BatchBuffers(Protocol):
     def reserve(self, extra: int) -> None:
         """Make room for ``extra`` more tokens in every active slot."""
 
-    def attend_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store each slot's new ``[slots, kv_heads, 1, dim]`` K/V; return the keys and values
-        ``[slots, kv_heads, T, dim]`` each slot attends over and a mask ``[slots, 1, 1, T]`` (None:
-        no slot is shorter than T)."""
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Store each slot's new ``[slots, kv_heads, 1, dim]`` K/V; return each slot's rotated
+        ``query [slots, heads, 1, dim]`` attended over its tokens, ``[slots, heads, 1, dim]``."""
 
     def advance(self) -> None:
         """Every active slot holds one more token."""
@@ -377,13 +376,12 @@ def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, lengths: li
 
 def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          batch: BatchBuffers, index: int) -> torch.Tensor:
-    """One token per slot: the batch stores its K/V at the slot's length and gives back what each
-    slot attends over (its own tokens, through its block table)."""
+    """One token per slot: the batch stores its K/V at the slot's length and attends each slot over
+    its own tokens, through its block table."""
     size = x.shape[0]
     query, key, value, gate = _attention_inputs(attn, x)
     query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    keys, values, mask = batch.attend_kv(index, key, value.transpose(1, 2))
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    out = batch.attend(index, query, key, value.transpose(1, 2), attn.scaling)
     out = out.transpose(1, 2).reshape(size, 1, -1)
     return attn.o_proj(out * torch.sigmoid(gate))
 

@@ -117,8 +117,11 @@ def test_requests_join_and_leave_a_running_batch_token_identical(runner, vision,
     assert engine.batch_sizes_total / engine.steps > 1.5
 
 
-def test_batched_step_matches_one_request_steps(runner):
-    """decode_step over ragged slots gives each slot the logits of its own one-request forward."""
+@pytest.mark.parametrize("fragmented", [False, True], ids=["runs", "fragmented"])
+def test_batched_step_matches_one_request_steps(runner, fragmented):
+    """decode_step over ragged slots gives each slot the logits of its own one-request forward,
+    whether each slot's blocks are one run (attention reads a view of the pool) or scattered
+    one block apart (attention joins the runs)."""
     vocab = runner.lm_head_weight.shape[0]
     lengths = [3, 40, 17, 66]  # 66 + steps crosses several 16-token block edges mid-run
     states, singles, tokens = [], [], []
@@ -132,8 +135,13 @@ def test_batched_step_matches_one_request_steps(runner):
         runner.forward(runner.embed(ids), pos, single)
         singles.append(single)
     batch = DecodeBatch(runner)
+    if fragmented:  # every other block taken: each free run is one block long
+        every = batch.pool.allocate(batch.pool.num_blocks)
+        batch.pool.free(every[::2])
     for state in states:
         batch.add(state)
+    runs = [batch._step_index().runs[slot] for slot in range(len(lengths))]
+    assert all(len(r) == (lengths[slot] // 16 + 1 if fragmented else 1) for slot, r in enumerate(runs))
     single_tokens = list(tokens)
     for step in range(70):
         logits = runner.decode_step(batch, tokens, [n + step for n in lengths])
@@ -157,7 +165,7 @@ def test_batched_step_matches_one_request_steps(runner):
             if got is not None:
                 torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-4)
     batch.truncate(0)
-    assert len(batch) == 0 and batch.pool.num_used == 0
+    assert len(batch) == 0 and batch.pool.num_used == (batch.pool.num_blocks // 2 if fragmented else 0)
 
 
 def test_decode_step_rejects_mismatched_inputs(runner):

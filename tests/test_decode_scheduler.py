@@ -231,6 +231,29 @@ def test_block_pool_hands_out_and_takes_back():
         pool.free([again[0], again[0]])
 
 
+def test_block_pool_keeps_each_table_one_run_while_it_can():
+    """Placement: a growing table takes the block after its last; a new one goes halfway into the
+    largest free run, leaving its predecessor room; a full pool still serves, in pieces."""
+    pool = BlockPool(num_blocks=64, block_size=16)
+    first = pool.allocate(4)
+    assert first == [0, 1, 2, 3]  # an empty pool: from the start
+    second = pool.allocate(4)
+    assert second[0] == 4 + (60 - 4) // 2 and second == list(range(second[0], second[0] + 4))
+    for _ in range(10):  # both grow in place
+        first += pool.allocate(1, after=first[-1])
+        second += pool.allocate(1, after=second[-1])
+    assert first == list(range(14)) and second == list(range(32, 46))
+    assert pool.runs() == [(14, 32), (46, 64)]
+    third = pool.allocate(2)  # halfway into the first of the two largest runs
+    assert third == [22, 23]
+    grown = pool.allocate(20, after=first[-1])  # 14..21 in place, the rest halfway into 46..63
+    assert grown == list(range(14, 22)) + list(range(49, 61))
+    assert pool.num_free == 64 - 14 - 14 - 2 - 20 and pool.runs() == [(24, 32), (46, 49), (61, 64)]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(15)
+    assert len(pool.allocate(14)) == 14 and pool.num_free == 0  # a full pool still serves, in pieces
+
+
 def test_admission_waits_for_blocks_and_never_skips_the_oldest():
     pool = BlockPool(num_blocks=10, block_size=16)
     sched = DecodeScheduler(max_batch_size=8, pool=pool)
