@@ -9,7 +9,8 @@ when it removes them; a removed name is never re-added by a late heartbeat.
 
 Consumers (the Encoder service for encoder replicas, the router for Encoder services, prefill and
 decode, prefill for decode) watch the registry with a ``RegistryWatch``: a thread that re-reads
-it every ``poll_s``, keeps its last view while the registry is away, and acknowledges the version
+it every ``poll_s`` (one call that carries the acknowledgement and brings endpoints back only when
+something changed), keeps its last view while the registry is away, and acknowledges the version
 it applied together with the calls it still has in flight to each replica, so a drain knows when
 no consumer will pick a draining replica again and none has a call to it on the way.
 
@@ -176,6 +177,20 @@ class Registry:
         return View(self.epoch, self._version, list(self._endpoints.values()),
                     warming=time.monotonic() - self._started < WARMUP_S)
 
+    def poll(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> View | None:
+        """A watcher's periodic call, one round trip: it acknowledges the (``epoch``, ``version``)
+        it applied with its calls in flight, and gets ``role``'s endpoints back only when the
+        registry changed since (None otherwise), so a steady deployment's polls carry no
+        endpoint lists."""
+        if epoch == self.epoch:
+            self._watchers[watcher] = _Watcher(role, version, dict(outstanding))
+        elif watcher not in self._watchers:
+            self._watchers[watcher] = _Watcher(role)
+        if epoch == self.epoch and version == self._version:
+            return None
+        return View(self.epoch, self._version, [e for e in self._endpoints.values() if e.role == role],
+                    warming=time.monotonic() - self._started < WARMUP_S)
+
     def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
         if epoch == self.epoch:
             self._watchers[watcher] = _Watcher(role, version, dict(outstanding))
@@ -266,9 +281,13 @@ class RegistryWatch:
         self._thread.start()
 
     def sync(self) -> None:
+        """One poll: acknowledges what this watcher applied, and applies what changed. The first
+        call (``seen`` empty) always gets the registry's view."""
         import ray
 
-        view = ray.get(self.registry.snapshot.remote(self.watcher, self.role), timeout=30)
+        view = ray.get(self.registry.poll.remote(self.watcher, self.role, *self.seen, self.outstanding()), timeout=30)
+        if view is None:
+            return  # nothing changed; the poll carried the acknowledgement
         endpoints = [e for e in view.endpoints if e.role == self.role]
         if self.seen[0] and view.epoch != self.seen[0]:  # Ray restarted the registry
             now = time.monotonic()
@@ -280,11 +299,11 @@ class RegistryWatch:
                              ", ".join(sorted({e.name for e in self._applied} - {e.name for e in endpoints})))
                     self._apply(kept)
                 self.registry.ack.remote(self.watcher, self.role, view.epoch, view.version, self.outstanding())
-                return
+                return  # ``seen`` keeps the old epoch: the next poll gets the full view again
         self._refill_since = None
-        if (view.epoch, view.version) != self.seen:
-            self._apply(endpoints)
-            self.seen = (view.epoch, view.version)
+        self._apply(endpoints)
+        self.seen = (view.epoch, view.version)
+        # acknowledged now rather than at the next poll: a drain waits on it
         self.registry.ack.remote(self.watcher, self.role, view.epoch, view.version, self.outstanding())
 
     def _apply(self, endpoints: list[Endpoint]) -> None:

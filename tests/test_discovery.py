@@ -20,6 +20,27 @@ def _ep(name, role="decode", incarnation="i1", **kwargs):
     return Endpoint(name=name, role=role, address=f"h:{name}", incarnation=incarnation, **kwargs)
 
 
+def test_a_poll_acknowledges_and_brings_endpoints_only_when_something_changed():
+    registry = Registry()
+    registry.register(_ep("decode-1"))
+    registry.register(_ep("p-1", role="prefill"))
+    first = registry.poll("router-1/decode", "decode", "", -1, {})  # a new watcher: the whole view
+    assert [e.name for e in first.endpoints] == ["decode-1"]  # its role's endpoints only
+    assert registry.poll("router-1/decode", "decode", first.epoch, first.version, {"decode-1": 2}) is None
+    version = registry.drain("decode-1")
+    assert not registry.acked("decode", version)
+    changed = registry.poll("router-1/decode", "decode", first.epoch, first.version, {})
+    assert changed.version == version and changed.endpoints[0].draining
+    # the poll carried the old version's acknowledgement; the next one carries the new
+    assert not registry.acked("decode", version)
+    assert registry.poll("router-1/decode", "decode", changed.epoch, version, {"decode-1": 1}) is None
+    assert registry.acked("decode", version) and not registry.acked("decode", version, "decode-1")
+    assert registry.poll("router-1/decode", "decode", changed.epoch, version, {}) is None
+    assert registry.acked("decode", version, "decode-1")
+    # a watcher that knew an older registry (Ray restarted it) gets the full view again
+    assert registry.poll("router-1/decode", "decode", "an-old-epoch", 7, {}).epoch == registry.epoch
+
+
 def test_registry_drain_waits_for_every_watcher_and_its_calls_in_flight():
     registry = Registry()
     registry.register(_ep("decode-1"))
