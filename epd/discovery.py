@@ -337,6 +337,7 @@ class Balancer:
     def __init__(self, role: str) -> None:
         self.role = role
         self._live: dict[str, Endpoint] = {}  # replicas that take work, by name
+        self._names: dict[str, str] = {}  # address -> name, of every replica listed (draining too)
         self._outstanding: dict[str, int] = {}
         self._breakers: dict[str, Breaker] = {}
         self._last_pick: dict[str, int] = {}
@@ -347,6 +348,7 @@ class Balancer:
     def update(self, endpoints: list[Endpoint]) -> None:
         with self._lock:
             live = {e.name: e for e in endpoints if e.takes_work}
+            self._names = {e.address: e.name for e in endpoints}
             for name, endpoint in live.items():
                 known = self._live.get(name)
                 if known is not None and known.incarnation != endpoint.incarnation:
@@ -365,6 +367,17 @@ class Balancer:
             self._picks += 1
             self._last_pick[name] = self._picks
             return name, self._live[name]
+
+    def hold(self, address: str) -> str | None:
+        """A call starts to the replica at ``address`` that an earlier ``pick`` chose (a follow-up
+        on the same replica): counted in flight like a picked call, so a drain waits for it too.
+        Returns the replica's name for ``release``, or None when the registry no longer lists it."""
+        with self._lock:
+            name = self._names.get(address)
+            if name is not None:
+                self._breaker(name).begin()
+                self._outstanding[name] = self._outstanding.get(name, 0) + 1
+            return name
 
     def same_incarnation(self, tried: dict[str, str]) -> set[str]:
         """The names in ``tried`` (name -> incarnation) whose replica is still that incarnation: a
@@ -511,6 +524,24 @@ class Targets:
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 log.warning("%s %s at %s failed (%s); trying another", self.role, name, address, error.details())
             finally:
+                self.balancer.release(name, ok)
+
+    async def call_at(self, address: str, method: str, request, timeout: float | None):
+        """``method`` on the replica at ``address``, which an earlier ``call`` chose (a
+        reservation's follow-up): never sent elsewhere, but counted in flight and judged by the
+        breaker as ``call``'s are. Raises the ``grpc.aio.AioRpcError`` for the caller to judge."""
+        name = self.balancer.hold(address)
+        ok = None
+        try:
+            reply = await getattr(self.stubs.get(address), method)(request, timeout=timeout, metadata=self.metadata)
+            ok = True
+            return reply
+        except grpc.aio.AioRpcError as error:
+            if rpc.peer_failed(error):
+                ok = False
+            raise
+        finally:
+            if name is not None:
                 self.balancer.release(name, ok)
 
     def close(self) -> None:

@@ -94,9 +94,8 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             try:
                 _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),
                                                      busy_next=True)
-                await self._decode.stubs.get(address).Handoff(handoff.chunks_async(header, state),
-                                                              timeout=context.time_remaining(),
-                                                              metadata=self._decode.metadata)
+                await self._decode.call_at(address, "Handoff", handoff.chunks_async(header, state),
+                                           timeout=context.time_remaining())
                 return address
             except grpc.aio.AioRpcError as error:  # the reserved worker failed under the handoff
                 if not rpc.peer_failed(error) and error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:

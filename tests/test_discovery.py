@@ -154,6 +154,21 @@ def test_balancer_spreads_calls_and_skips_draining_and_unhealthy_replicas():
         balancer.pick()
 
 
+def test_a_follow_up_call_to_a_reserved_replica_counts_in_flight_and_feeds_its_breaker():
+    """prefill's Handoff after a Reserve goes to the reserved decode replica by address: a drain
+    of it must wait for that call, and its failure must take the replica out of rotation."""
+    balancer = Balancer("decode")
+    balancer.update([_ep("a"), _ep("b")])
+    assert balancer.hold("h:a") == "a" and balancer.outstanding()["a"] == 1
+    balancer.update([_ep("a", draining=True), _ep("b")])  # drained while the handoff is on its way
+    assert balancer.hold("h:a") == "a" and balancer.outstanding()["a"] == 2  # still counted
+    balancer.release("a", ok=True)
+    balancer.release("a", ok=False)
+    assert "a" not in balancer.outstanding() and balancer.suspect("a")
+    balancer.update([_ep("b")])
+    assert balancer.hold("h:a") is None  # no longer listed: nothing to count
+
+
 def test_a_failed_replica_leaves_rotation_then_one_trial_brings_it_back(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
