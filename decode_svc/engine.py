@@ -95,7 +95,7 @@ class DecodeEngine:
 
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
                sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1,
-               history: TokenHistory | None = None) -> None:
+               history: TokenHistory | None = None, log_id: str = "") -> None:
         """A handed-off request; ``num_generated`` counts the tokens it already produced (the
         last of them is ``first_token``): more than one when a request resumes elsewhere.
         ``history``: what its penalties read (needed when ``sampling`` has one)."""
@@ -114,6 +114,7 @@ class DecodeEngine:
             num_generated=num_generated,
             resumed=num_generated > 1,
             history=history,
+            log_id=log_id,
         )
         with self._lock:
             self.scheduler.add(request)
@@ -220,7 +221,7 @@ class DecodeEngine:
         swapped = {id(swap.request) for swap in plan.swapped}
         for request in plan.preempted:
             log.info("decode preempted %s after %d tokens to free K/V blocks (%d of %d free now); %s",
-                     request.request_id, request.num_generated, self.pool.num_free, self.pool.num_blocks,
+                     request.log_name, request.num_generated, self.pool.num_free, self.pool.num_blocks,
                      "swapped out" if id(request) in swapped else "it resumes by replay")
         for src, dst in plan.moves:
             self._batch.move(src, dst)
@@ -229,7 +230,7 @@ class DecodeEngine:
             try:
                 self._batch.add(request.state, request.blocks)
             except Exception as error:  # noqa: BLE001 - a malformed state fails its own request only
-                log.warning("decode refused the state of %s: %s", request.request_id, error)
+                log.warning("decode refused the state of %s: %s", request.log_name, error)
                 self.scheduler.reject(request)
                 continue
             request.state = None  # the batch holds it now
@@ -251,7 +252,7 @@ class DecodeEngine:
             if request.status is RequestStatus.FINISHED:  # cancelled during the step
                 continue
             if not finite[row]:
-                log.warning("decode: non-finite logits for %s at step %d; failing it", request.request_id,
+                log.warning("decode: non-finite logits for %s at step %d; failing it", request.log_name,
                             request.num_generated)
                 self.scheduler.finish(request, FinishReason.ERROR)
                 continue
@@ -259,7 +260,7 @@ class DecodeEngine:
                 token, logprobs = sample(logits[row], request.sampling, step=request.num_generated,
                                          history=request.history, eos_token_ids=self.eos_token_ids)
             except Exception:  # noqa: BLE001 - a request's own sampling failure fails it alone, never the loop
-                log.exception("decode: sampling failed for %s at step %d", request.request_id, request.num_generated)
+                log.exception("decode: sampling failed for %s at step %d", request.log_name, request.num_generated)
                 self.scheduler.finish(request, FinishReason.ERROR)
                 continue
             if request.history is not None:

@@ -72,6 +72,13 @@ class DecodeRequest:
     resumed: bool = False  # it had produced tokens elsewhere before (a replay after a preemption or a death)
     swap_bytes: int = 0  # host memory its swapped-out state takes
     history: TokenHistory | None = None  # what its penalties read (epd.sampling), None without one
+    log_id: str = ""  # the request's public id (epd.logs.REQUEST_ID), which every role's lines name
+
+    @property
+    def log_name(self) -> str:
+        """How decode's own lines name it: the public id every role logs, then this attempt's id."""
+        return f"{self.log_id} (attempt {self.request_id})" if self.log_id and self.log_id != self.request_id \
+            else self.request_id
 
     @property
     def num_tokens(self) -> int:

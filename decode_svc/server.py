@@ -18,7 +18,7 @@ import functools
 
 from decode_svc.engine import DecodeEngine
 from decode_svc.scheduler import TokenEvent
-from epd import errors, handoff, rpc
+from epd import errors, handoff, logs, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
@@ -78,6 +78,7 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                 deadline_unix=header.deadline_unix,
                 num_generated=max(1, header.num_generated),
                 history=history_for(sampling, header.prompt_token_set, header.generated_token_ids),
+                log_id=logs.REQUEST_ID.get(),
             ))
             held = ""
         finally:

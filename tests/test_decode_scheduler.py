@@ -379,3 +379,12 @@ def test_blocks_of_a_cancelled_request_go_back_at_the_next_schedule():
     assert pool.num_free == 1
     plan = sched.schedule(now=0.0)
     assert plan.left == [request] and pool.num_free == 4 and sched.slots == []
+
+
+def test_decode_lines_name_the_public_request_id_first():
+    request = _request("a1b2-attempt")
+    assert request.log_name == "a1b2-attempt"  # no public id known (a direct caller)
+    request.log_id = "public-7"
+    assert request.log_name == "public-7 (attempt a1b2-attempt)"
+    request.log_id = "a1b2-attempt"
+    assert request.log_name == "a1b2-attempt"
