@@ -1,7 +1,10 @@
 """M-RoPE positions for Qwen3.5 prompts, computed per request from explicit rules.
 
 Every token gets three position components (time, height, width). Text tokens have three equal
-components. An image whose first token sits at position ``s`` and whose merged grid is ``h x w``
+components. A video clip's temporal patches are laid out exactly like images, one after another
+(transformers' ``Qwen3_5Model.get_rope_index`` splits ``video_grid_thw`` [t, h, w] into t grids
+[1, h, w], because each temporal patch sits between its own timestamp text and vision tokens), so
+each run of ``<|video_pad|>`` tokens is an ``ImageSpan`` here. An image whose first token sits at position ``s`` and whose merged grid is ``h x w``
 gives its token at row ``r``, column ``c`` the position ``(s, s + r, s + c)``; the text after it
 continues at ``s + max(h, w)``. Decode step ``i`` of a prompt of length ``L`` uses
 ``L + i + rope_delta`` on all three components, with ``rope_delta = max_position + 1 - L``.
@@ -33,6 +36,17 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class VisionPiece:
+    """One run of placeholder tokens and where its embedding rows come from: rows ``row`` to
+    ``row + span.num_tokens`` of item ``ref`` (an image: its only run; a clip chunk: one temporal patch)."""
+
+    span: ImageSpan
+    ref: int  # index of the item in the request
+    row: int  # first embedding row of this run in the item's embedding
+    name: str  # what the prefix cache hashes for this run (the item's store key, and the patch for a chunk)
 
 
 def find_image_spans(

@@ -135,19 +135,20 @@ class VideoSettings:
 
     def with_overrides(self, fps: float | None = None, max_frames: int | None = None,
                        max_pixels: int | None = None, caps: limits.VideoLimits | None = None) -> VideoSettings:
-        """A request's ``fps``, ``max_frames`` and ``max_pixels`` (clip budget), each within the server's caps."""
+        """A request's ``fps``, ``max_frames`` and ``max_pixels`` (clip budget), each within the server's caps;
+        a value equal to the current setting (what the router forwards to the encoder) changes nothing."""
         caps = caps or limits.VideoLimits()
         changes: dict[str, Any] = {}
-        if fps is not None and fps != 0:
+        if fps is not None and fps != 0 and float(fps) != self.fps:
             if not (math.isfinite(fps) and 0 < fps <= caps.max_fps):
                 raise VideoError(f"video fps {fps!r} is out of range; allowed: (0, {caps.max_fps:g}]")
             changes["fps"] = float(fps)
-        if max_frames is not None and max_frames != 0:
+        if max_frames is not None and max_frames != 0 and max_frames != self.max_frames:
             if not self.min_frames <= max_frames <= caps.max_frames_per_request:
                 raise VideoError(f"video max_frames {max_frames} is out of range; allowed: {self.min_frames}.."
                                  f"{caps.max_frames_per_request} (limits.VideoLimits.max_frames_per_request)")
             changes["max_frames"] = int(max_frames)
-        if max_pixels is not None and max_pixels != 0:
+        if max_pixels is not None and max_pixels != 0 and max_pixels != self.max_pixels:
             if not self.min_pixels <= max_pixels <= caps.max_clip_pixels:
                 raise VideoError(f"video max_pixels {max_pixels} is out of range; allowed: {self.min_pixels}.."
                                  f"{caps.max_clip_pixels} (limits.VideoLimits.max_clip_pixels)")
