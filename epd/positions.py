@@ -85,6 +85,31 @@ def find_image_spans(
     return spans
 
 
+def vision_pieces(prompt_ids: Sequence[int], refs, image_token_id: int, video_token_id: int | None
+                  ) -> list[VisionPiece]:
+    """Every run of placeholder tokens in prompt order, with the item whose embedding rows fill it.
+    ``refs``: the request's items in prompt order (``ImageRef``: ``store_key``, ``merged_height``,
+    ``merged_width``, ``temporal_patches``); a clip chunk of n temporal patches fills n runs of
+    ``<|video_pad|>``. Raises ValueError when the runs and the items disagree."""
+    image_refs = [i for i, ref in enumerate(refs) if not ref.temporal_patches]
+    video_refs = [i for i, ref in enumerate(refs) if ref.temporal_patches]
+    grids = [(refs[i].merged_height, refs[i].merged_width) for i in image_refs]
+    spans = find_image_spans(prompt_ids, image_token_id, grids)
+    pieces = [VisionPiece(span, i, 0, refs[i].store_key) for span, i in zip(spans, image_refs)]
+    if video_refs:
+        if video_token_id is None:
+            raise ValueError("this model has no video token")
+        owners = [(i, k) for i in video_refs for k in range(refs[i].temporal_patches)]
+        grids = [(refs[i].merged_height, refs[i].merged_width) for i, _ in owners]
+        try:
+            spans = find_image_spans(prompt_ids, video_token_id, grids)
+        except ValueError as error:
+            raise ValueError(f"video: {str(error).replace('image', 'temporal patch')}") from None
+        pieces += [VisionPiece(span, i, k * span.num_tokens, f"{refs[i].store_key}#{k}")
+                   for span, (i, k) in zip(spans, owners)]
+    return sorted(pieces, key=lambda piece: piece.span.start)
+
+
 def mrope_positions(num_tokens: int, spans: Sequence[ImageSpan]) -> tuple[torch.Tensor, int]:
     """Positions ``[3, num_tokens]`` (int64) for a prompt, and its ``rope_delta``."""
     pieces: list[torch.Tensor] = []

@@ -195,7 +195,8 @@ class PrefillEngine:
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
         prompt_len = len(token_ids) - request.num_generated
-        pieces = self._vision_pieces(token_ids[:prompt_len], request.images)
+        pieces = positions.vision_pieces(token_ids[:prompt_len], request.images, self.info.image_token_id,
+                                         self.info.video_token_id)
         spans = [piece.span for piece in pieces]
         images = [KeyedImage(piece.span, piece.name) for piece in pieces]
         hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
@@ -226,27 +227,6 @@ class PrefillEngine:
             deadline_unix=request.deadline_unix,
             store_read_s=read_s,
         )
-
-    def _vision_pieces(self, prompt_ids: list[int], refs) -> list[positions.VisionPiece]:
-        """Every run of placeholder tokens in prompt order, with the item (image or clip chunk) whose
-        embedding rows fill it. A chunk of n temporal patches fills n runs of <|video_pad|>."""
-        image_refs = [i for i, ref in enumerate(refs) if not ref.temporal_patches]
-        video_refs = [i for i, ref in enumerate(refs) if ref.temporal_patches]
-        grids = [(refs[i].merged_height, refs[i].merged_width) for i in image_refs]
-        spans = positions.find_image_spans(prompt_ids, self.info.image_token_id, grids)
-        pieces = [positions.VisionPiece(span, i, 0, refs[i].store_key) for span, i in zip(spans, image_refs)]
-        if video_refs:
-            if self.info.video_token_id is None:
-                raise ValueError("this model has no video token")
-            owners = [(i, k) for i in video_refs for k in range(refs[i].temporal_patches)]
-            grids = [(refs[i].merged_height, refs[i].merged_width) for i, _ in owners]
-            try:
-                spans = positions.find_image_spans(prompt_ids, self.info.video_token_id, grids)
-            except ValueError as error:
-                raise ValueError(f"video: {str(error).replace('image', 'temporal patch')}") from None
-            pieces += [positions.VisionPiece(span, i, k * span.num_tokens, f"{refs[i].store_key}#{k}")
-                       for span, (i, k) in zip(spans, owners)]
-        return sorted(pieces, key=lambda piece: piece.span.start)
 
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
         """Embeddings of the images at ``needed``: sent inline, else the in-process LRU, else one

@@ -1,0 +1,148 @@
+"""Video clips through a real `epd serve` stack (Ray local, embedded redis-server, gRPC on loopback),
+two encoder replicas and clips split into chunks of one temporal patch: greedy tokens and the prompt
+identical to transformers' Qwen3_5ForConditionalGeneration.generate fed by transformers' own video
+processor (bench.oracle) for one clip, a clip and an image, two clips and a per-request fps; a second
+question about a clip encodes nothing; a follow-up turn reuses the clip's prefix; hostile clips are
+refused with INVALID_ARGUMENT within a couple of seconds and the next request is fine."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from bench.synthetic import make_audio, make_clip, make_image
+from epd import client
+from epd.v1 import epd_pb2
+from tests.conftest import serving
+
+CLIP = make_clip(160, 128, 24, fps=8, seed=1)  # 3 s: 6 frames sampled at 2 fps, 3 temporal patches of 4x5 tokens
+CLIP2 = make_clip(96, 64, 10, fps=5, seed=2)  # 2 s: 4 frames, 2 temporal patches
+IMAGE = make_image(96, 64, seed=3)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    with serving(tiny_model_dir, "--encoders", "2", "--video-chunk-patches", "1", "--prefix-block-size", str(BLOCK),
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve-video.log")) as server:
+        yield server
+
+
+def part(kind, value, **overrides):
+    if kind == "video":
+        return epd_pb2.ContentPart(video=epd_pb2.VideoPart(data=value, **overrides))
+    if kind == "image":
+        return epd_pb2.ContentPart(image=value)
+    return epd_pb2.ContentPart(text=value)
+
+
+def run(stack, content, max_tokens=16, history=()):
+    messages = [*history, epd_pb2.ChatMessage(role="user", content=content)]
+    request = client.chat_request(messages, max_tokens=max_tokens, temperature=0.0)
+    request.return_prompt_token_ids = True
+    result = client.GenerateResult()
+    result.prompt_token_ids = []
+    for event in client.stream(stack.address, request, timeout_s=180):
+        if event.WhichOneof("event") == "summary":
+            result.summary = event.summary
+            continue
+        result.prompt_token_ids.extend(event.chunk.prompt_token_ids)
+        result.token_ids.extend(event.chunk.token_ids)
+        result.text += event.chunk.text
+    return result
+
+
+def oracle_parts(content):
+    out = []
+    for p in content:
+        kind = p.WhichOneof("part")
+        if kind == "video":
+            clip = {"type": "video", "video": p.video.data}
+            if p.video.HasField("fps"):
+                clip["fps"] = p.video.fps
+            out.append(clip)
+        elif kind == "image":
+            out.append({"type": "image", "image": p.image})
+        else:
+            out.append({"type": "text", "text": p.text})
+    return out
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param([part("video", CLIP), part("text", "What happens in this clip?")], id="one-clip"),
+    pytest.param([part("image", IMAGE), part("video", CLIP), part("text", "Does the picture appear in the clip?")],
+                 id="clip-and-image"),
+    pytest.param([part("video", CLIP), part("text", "and"), part("video", CLIP2), part("text", "Which is longer?")],
+                 id="two-clips"),
+    pytest.param([part("video", CLIP2, fps=4.0), part("text", "Count the frames.")], id="fps-override"),
+])
+def test_greedy_parity_and_prompt_with_transformers(stack, oracle, content):
+    inputs = oracle.chat_inputs([{"role": "user", "content": oracle_parts(content)}])
+    expected = oracle.generate_through_eos(inputs, 16)
+    result = run(stack, content)
+    assert result.prompt_token_ids == inputs["input_ids"][0].tolist()  # timestamps, placeholders, grid
+    assert result.token_ids[: len(expected)] == expected[: len(result.token_ids)]
+    assert result.token_ids == expected[: len(result.token_ids)] and len(result.token_ids) >= 1
+    clips = [p for p in content if p.WhichOneof("part") == "video"]
+    assert result.summary.videos == len(clips)
+    grid = inputs["video_grid_thw"]
+    assert result.summary.video_tokens == int((grid.prod(-1) // 4).sum())
+    assert result.summary.video_chunks == int(grid[:, 0].sum())  # one chunk per temporal patch here
+
+
+def test_second_question_about_a_clip_encodes_nothing_and_reuses_its_prefix(stack, oracle):
+    clip = make_clip(128, 96, 16, fps=8, seed=11)
+    first_content = [part("video", clip), part("text", "Describe it.")]
+    first = run(stack, first_content, max_tokens=8)
+    assert first.summary.video_chunks_encoded == first.summary.video_chunks == 2
+    other = run(stack, [part("video", clip), part("text", "What colour is the bar?")], max_tokens=8)
+    assert other.summary.video_chunks_encoded == 0  # every chunk from the store
+    print(f"TTFT first {first.summary.ttft_s:.3f} s, second question {other.summary.ttft_s:.3f} s")
+    history = [epd_pb2.ChatMessage(role="user", content=first_content),
+               epd_pb2.ChatMessage(role="assistant", content=[part("text", first.text)])]
+    follow = run(stack, [part("text", "And then?")], max_tokens=8, history=history)
+    assert follow.summary.video_chunks_encoded == 0
+    assert follow.summary.cached_tokens >= first.summary.prompt_tokens // BLOCK * BLOCK - BLOCK
+    messages = [{"role": "user", "content": oracle_parts(first_content)}, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And then?"}]
+    expected = oracle.generate_through_eos(oracle.chat_inputs(messages), 8)
+    assert follow.token_ids == expected[: len(follow.token_ids)]
+
+
+def _refused(stack, data, **overrides):
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as info:
+        run(stack, [part("video", data, **overrides), part("text", "what?")], max_tokens=2)
+    elapsed = time.perf_counter() - start
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    return info.value.details(), elapsed
+
+
+def test_hostile_clips_are_refused_cleanly_and_the_service_keeps_serving(stack):
+    header_cut = make_clip(64, 48, 30, fps=10, seed=5, codec="libvpx", container="webm")
+    cases = {
+        "corrupt": (b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8, {}, "corrupt"),
+        "truncated": (header_cut[: len(header_cut) * 2 // 3], {}, "truncated"),
+        "audio-only": (make_audio(1.0), {}, "no video stream (audio only)"),
+        "zero-length": (make_clip(64, 48, 0), {}, "no frames"),
+        "empty": (b"", {}, "empty"),
+        "long-at-tiny-size": (make_clip(16, 16, 3700, fps=1), {}, "max_duration_s"),
+        "huge-frames": (make_clip(4128, 4128, 2, fps=2), {}, "max_frame_pixels"),
+        "fps-over-cap": (CLIP2, {"fps": 1000.0}, "fps"),
+        "frames-over-cap": (CLIP2, {"max_frames": 100_000}, "max_frames"),
+    }
+    for name, (data, overrides, needle) in cases.items():
+        message, elapsed = _refused(stack, data, **overrides)
+        assert needle in message, (name, message)
+        assert elapsed < 5.0, (name, elapsed)
+    # A frame-count bomb across one request's clips: 2 x 400 frames sampled at 60 fps > 768.
+    bomb = make_clip(32, 32, 400, fps=60, seed=9)
+    with pytest.raises(grpc.RpcError) as info:
+        run(stack, [part("video", bomb, fps=60.0, max_frames=768), part("video", bomb, fps=60.0, max_frames=768),
+                    part("text", "?")], max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_frames_per_request" in info.value.details()
+    ok = run(stack, [part("video", CLIP2), part("text", "still there?")], max_tokens=2)
+    assert len(ok.token_ids) >= 1
