@@ -191,8 +191,8 @@ class PromptBuilder:
         num_images = sum(part.WhichOneof("part") in ("image", "video") for message in messages
                          for part in message.content)
         if num_images > self.max_images:
-            raise ValueError(f"request has {num_images} images and clips; at most {self.max_images} per request "
-                             "are allowed (router.max_images_per_request)")
+            raise ValueError(f"request has {num_images} images; at most {self.max_images} images per request "
+                             "are allowed (router.max_images_per_request; a video clip counts as an image)")
         if self.max_text_chars is not None:
             chars = sum(len(part.text) for message in messages for part in message.content)
             if chars > self.max_text_chars:

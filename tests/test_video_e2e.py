@@ -7,7 +7,12 @@ refused with INVALID_ARGUMENT within a couple of seconds and the next request is
 
 from __future__ import annotations
 
+import base64
+import json
+import socket
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -25,8 +30,13 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with serving(tiny_model_dir, "--encoders", "2", "--video-chunk-patches", "1", "--prefix-block-size", str(BLOCK),
+                 "--http-port", str(port), "--served-model-name", "tiny",
                  log_path=str(tmp_path_factory.mktemp("logs") / "serve-video.log")) as server:
+        server.http = f"http://127.0.0.1:{port}"
         yield server
 
 
@@ -146,3 +156,33 @@ def test_hostile_clips_are_refused_cleanly_and_the_service_keeps_serving(stack):
     assert "max_frames_per_request" in info.value.details()
     ok = run(stack, [part("video", CLIP2), part("text", "still there?")], max_tokens=2)
     assert len(ok.token_ids) >= 1
+
+
+def _post(stack, body):
+    request = urllib.request.Request(f"{stack.http}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_video_url_on_the_http_front(stack, oracle):
+    url = "data:video/mp4;base64," + base64.b64encode(CLIP2).decode()
+    content = [{"type": "video_url", "video_url": {"url": url, "fps": 4}}, {"type": "text", "text": "What is it?"}]
+    status, reply = _post(stack, {"model": "tiny", "messages": [{"role": "user", "content": content}],
+                                  "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, reply
+    inputs = oracle.chat_inputs([{"role": "user", "content": [{"type": "video", "video": CLIP2, "fps": 4.0},
+                                                              {"type": "text", "text": "What is it?"}]}])
+    assert reply["choices"][0]["token_ids"] == oracle.generate_through_eos(inputs, 8)
+    assert reply["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    bad = "data:video/mp4;base64," + base64.b64encode(b"not a video at all").decode()
+    status, reply = _post(stack, {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": bad}}, {"type": "text", "text": "?"}]}]})
+    assert status == 400 and "video 0" in reply["error"]["message"], reply
+    status, reply = _post(stack, {"model": "tiny", "max_tokens": 2, "mm_processor_kwargs": {"fps": 500},
+                                  "messages": [{"role": "user", "content": [
+                                      {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}]}]})
+    assert status == 400 and "fps" in reply["error"]["message"], reply
