@@ -32,17 +32,32 @@ def make_image(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> byte
 
 
 def make_clip(width: int, height: int, num_frames: int, fps: float = 8, seed: int = 0, codec: str = "mpeg4",
-              container: str = "mp4", audio: bool = False) -> bytes:
+              container: str = "mp4", audio: bool = False, faststart: bool = False) -> bytes:
     """A seeded synthetic video clip encoded with PyAV: a moving bar over coloured noise, so frames
-    differ. ``codec``/``container``: any pair PyAV's FFmpeg writes (mpeg4/mp4, libvpx/webm, mjpeg/avi)."""
+    differ. ``codec``/``container``: any pair PyAV's FFmpeg writes (mpeg4/mp4, libvpx/webm, mjpeg/avi).
+    ``faststart``: an MP4's index before its data (as streamed files have it), so a cut file still opens."""
+    import os
+    import tempfile
+
+    if faststart:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "clip.mp4")
+            _write_clip(path, width, height, num_frames, fps, seed, codec, container, audio, {"movflags": "faststart"})
+            with open(path, "rb") as f:
+                return f.read()
+    out = io.BytesIO()
+    _write_clip(out, width, height, num_frames, fps, seed, codec, container, audio, {})
+    return out.getvalue()
+
+
+def _write_clip(out, width, height, num_frames, fps, seed, codec, container, audio, options) -> None:
     import fractions
 
     import av
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    with av.open(out, "w", format=container) as box:
+    with av.open(out, "w", format=container, options=options) as box:
         stream = box.add_stream(codec, rate=fractions.Fraction(fps).limit_denominator(1000))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
@@ -58,7 +73,6 @@ def make_clip(width: int, height: int, num_frames: int, fps: float = 8, seed: in
             box.mux(packet)
         if sound is not None:
             _encode_tone(box, sound, seconds=num_frames / fps)
-    return out.getvalue()
 
 
 def make_audio(seconds: float = 1.0) -> bytes:

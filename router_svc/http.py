@@ -550,12 +550,12 @@ class HttpFront:
                     chat.content.append(epd_pb2.ContentPart(text=part["text"]))
                 elif kind == "image_url":
                     chat.content.append(epd_pb2.ContentPart(image=b""))
-                    loads.append((chat.content[-1], _image_url(part, here), here))
+                    loads.append((chat.content[-1], _image_url(part, here), here, "image"))
                 elif kind == "video_url":
                     url, options = _video_url(part, here)
                     chat.content.append(epd_pb2.ContentPart(video=epd_pb2.VideoPart(**{**(video_options or {}),
                                                                                        **options})))
-                    loads.append((chat.content[-1], url, here))
+                    loads.append((chat.content[-1], url, here, "video"))
                 else:
                     raise HttpError(400, f'{here} must be {{"type": "text", "text": STR}}, {{"type": "image_url", '
                                     f'"image_url": {{"url": URL}}}} or {{"type": "video_url", "video_url": {{"url": '
@@ -566,9 +566,9 @@ class HttpFront:
             raise HttpError(400, f"request has {len(loads)} images; at most {self.max_images} images per request "
                             "are allowed (router.max_images_per_request; a video clip counts as an image)", param="messages")
         if loads:
-            results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
+            results = await asyncio.gather(*(self.media.load(url, where, kind) for _, url, where, kind in loads),
                                            return_exceptions=True)
-            for (part, _, _), result in zip(loads, results):
+            for (part, _, _, _), result in zip(loads, results):
                 if isinstance(result, MediaError):
                     raise HttpError(400, str(result), param="messages")
                 if isinstance(result, BaseException):

@@ -186,6 +186,43 @@ def test_caps_are_checked_from_the_header_before_decoding(settings):
         video.probe_video(CLIP, settings, limits.VideoLimits(max_decoded_pixels=160 * 128 * 23))
     with pytest.raises(video.VideoError, match="fps"):
         settings.with_overrides(fps=61.0)
+    streamed = make_clip(64, 48, 30, fps=10, faststart=True)
+    cut = streamed[: len(streamed) * 2 // 3]
+    info = video.probe_video(cut, settings)  # the header still says 30 frames
+    with pytest.raises(video.VideoError, match="truncated"):
+        video.load_chunk_pixels(cut, settings, 0, info.grid_thw[0])
     webm = make_clip(64, 48, 12, fps=6, codec="libvpx", container="webm")  # states no frame count: packets counted
     assert video.probe_video(webm, settings).total_frames == 12
     assert np.asarray(video.decode_frames(webm, [0, 11])).shape == (2, 48, 64, 3)
+
+
+# ---------------------------------------------------------------- through the shared stack (2 encoder replicas)
+
+
+def test_a_clip_split_across_encoder_replicas_matches_transformers(addr, oracle):
+    """A 5-patch clip is 2 chunks (router.video_chunk_patches 4) encoded on the stack's 2 replicas; a
+    second question about it encodes nothing; a hostile clip is INVALID_ARGUMENT and the next request is fine."""
+    import grpc
+
+    from epd import client
+
+    clip = make_clip(128, 96, 50, fps=10, seed=21)  # 5 s: 10 frames -> 5 temporal patches
+    content = [epd_pb2.ContentPart(video=epd_pb2.VideoPart(data=clip)), epd_pb2.ContentPart(text="What moves?")]
+    inputs = oracle.chat_inputs([{"role": "user", "content": [{"type": "video", "video": clip},
+                                                              {"type": "text", "text": "What moves?"}]}])
+    expected = oracle.generate_through_eos(inputs, 12)
+    request = client.chat_request([epd_pb2.ChatMessage(role="user", content=content)], max_tokens=12,
+                                  temperature=0.0, ignore_eos=True)
+    first = client.generate(addr, request, timeout_s=180)
+    assert first.token_ids == expected
+    assert first.summary.prompt_tokens == inputs["input_ids"].shape[1]
+    assert (first.summary.videos, first.summary.video_chunks, first.summary.video_chunks_encoded) == (1, 2, 2)
+    again = client.generate(addr, request, timeout_s=180)
+    assert again.token_ids == expected and again.summary.video_chunks_encoded == 0
+    bad = client.chat_request([epd_pb2.ChatMessage(role="user", content=[
+        epd_pb2.ContentPart(video=epd_pb2.VideoPart(data=clip[: len(clip) // 3])), epd_pb2.ContentPart(text="?")])],
+        max_tokens=2)
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(addr, bad, timeout_s=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "video 0" in info.value.details()
+    assert client.generate(addr, request, timeout_s=180).token_ids == expected
