@@ -62,6 +62,8 @@ def _write_clip(out, width, height, num_frames, fps, seed, codec, container, aud
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
         sound = box.add_stream("aac", rate=8000) if audio else None
+        if num_frames == 0:
+            box.start_encoding()  # the header alone: a container with a video stream and no frame
         base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         for i in range(num_frames):
             frame = base.copy()

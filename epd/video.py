@@ -270,7 +270,9 @@ def _open(data: bytes):
     if not container.streams.video:
         kinds = sorted({stream.type for stream in container.streams})
         container.close()
-        what = "audio only" if kinds == ["audio"] else ("no streams" if not kinds else "streams: " + ", ".join(kinds))
+        if not kinds:  # a container whose muxer kept no stream: nothing was ever written to it
+            raise VideoError("video has no frames (zero-length clip: the file holds no stream)")
+        what = "audio only" if kinds == ["audio"] else "streams: " + ", ".join(kinds)
         raise VideoError(f"video file has no video stream ({what})")
     return container
 

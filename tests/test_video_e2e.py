@@ -138,6 +138,7 @@ def test_hostile_clips_are_refused_cleanly_and_the_service_keeps_serving(stack):
         "truncated": (header_cut[: len(header_cut) * 2 // 3], {}, "truncated"),
         "audio-only": (make_audio(1.0), {}, "no video stream (audio only)"),
         "zero-length": (make_clip(64, 48, 0), {}, "no frames"),
+        "zero-length-webm": (make_clip(64, 48, 0, codec="libvpx", container="webm"), {}, "corrupt"),
         "empty": (b"", {}, "empty"),
         "long-at-tiny-size": (make_clip(16, 16, 3700, fps=1), {}, "max_duration_s"),
         "huge-frames": (make_clip(4128, 4128, 2, fps=2), {}, "max_frame_pixels"),
