@@ -188,3 +188,38 @@ def test_video_url_on_the_http_front(stack, oracle):
                                   "messages": [{"role": "user", "content": [
                                       {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}]}]})
     assert status == 400 and "fps" in reply["error"]["message"], reply
+
+
+def test_a_clip_survives_an_encoder_replica_killed_mid_clip(stack, oracle):
+    """40 chunks of one clip spread over the 2 encoder replicas; one replica is killed with SIGKILL
+    while the request is still encoding: its chunks go to the other replica (encode is content-keyed,
+    so a retry is safe) and the answer still equals transformers'."""
+    import os
+    import signal
+    import threading
+
+    from tests.conftest import epd_status, ray_address
+
+    clip = make_clip(320, 256, 80, fps=2, seed=31)  # 40 s at 2 fps: 80 frames, 40 temporal patches
+    content = [part("video", clip), part("text", "Summarise.")]
+    inputs = oracle.chat_inputs([{"role": "user", "content": oracle_parts(content)}])
+    expected = oracle.generate_through_eos(inputs, 6)
+    victim = epd_status(ray_address(stack))["roles"]["encoder"][0]
+    outcome: dict = {}
+
+    def ask() -> None:
+        try:
+            outcome["result"] = run(stack, content, max_tokens=6)
+        except grpc.RpcError as error:  # pragma: no cover - the assertion below shows it
+            outcome["error"] = (error.code(), error.details())
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive(), "the request finished before the kill: nothing was tested"
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    result = outcome["result"]
+    assert result.token_ids == expected[: len(result.token_ids)] and result.token_ids
+    assert result.summary.video_chunks == 40
