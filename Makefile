@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 MODEL ?= models/tiny
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install demo test test-slow protos clean vllm-env
+.PHONY: install demo test test-slow protos clean vllm-env video-ref-env
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,11 @@ protos: install
 # Never in epd's venv: vLLM pins its own transformers. Needs only python3 and the package registry.
 vllm-env:
 	$(PYTHON) scripts/vllm_env.py $(VLLM_VENV)
+
+# transformers' own Qwen3.5 video processor (it needs torchvision) in a venv of its own that reads
+# epd's packages: the reference of tests/test_video_reference.py (slow). Idempotent.
+video-ref-env: install
+	$(PYTHON) scripts/video_ref_env.py .venv-videoref $(VENV)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

@@ -7,6 +7,15 @@ orientation, as transformers' load_image does), independently of epd's router co
 ``split_special_tokens`` the client's text is tokenized as plain text (transformers'
 ``split_special_tokens=True`` on each text part) between the template's own tokens.
 The benchmark's transformers baseline runs through it too (any dtype, whole conversations).
+
+Video parts go through transformers' own pipeline: ``video_utils.load_video(backend="pyav")``, its
+``Qwen3VLVideoProcessor`` (sampling, smart_resize, patchify) and ``Qwen3VLProcessor``'s
+``replace_video_token`` (timestamps, placeholders). transformers' processor calls torchvision for two
+steps, and torchvision cannot import in epd's venv (``scripts/video_ref_env.py``); ``_VideoProcessor``
+replaces just those two with what torchvision 0.28 runs on CPU for them: ``resize`` is
+``torch.nn.functional.interpolate`` (bicubic, antialias) on the uint8 frames, ``normalize`` is
+``sub_(mean).div_(std)``. tests/test_video_reference.py (slow) checks this against the unmodified
+processor in that venv.
 """
 
 from __future__ import annotations
@@ -23,6 +32,67 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from epd.family import family_of, model_kwargs
 
+
+def _video_processor_class():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+
+    class _VideoProcessor(Qwen3VLVideoProcessor):
+        def resize(self, videos, size, resample, factor, temporal_factor, cap_pixels_per_frame=None, **kwargs):
+            # Qwen3VLVideoProcessor.resize up to its call of torchvision's resize (no per-frame cap: 5.24's default)
+            num_frames = videos.shape[1]
+            height, width = videos.shape[-2:]
+            new_h, new_w = smart_resize(num_frames=num_frames, height=height, width=width, factor=factor,
+                                        temporal_factor=temporal_factor, min_pixels=size.shortest_edge,
+                                        max_pixels=size.longest_edge)
+            if (new_h, new_w) == (height, width):
+                return videos
+            flat = videos.reshape(-1, *videos.shape[-3:])
+            out = torch.nn.functional.interpolate(flat, size=[new_h, new_w], mode="bicubic", align_corners=False,
+                                                  antialias=True)
+            return out.reshape(*videos.shape[:-2], new_h, new_w)
+
+        def normalize(self, image, mean, std, inplace=False, **kwargs):
+            mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+            std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+            return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
+
+    return _VideoProcessor
+
+
+def video_inputs(model_dir: str, clips: list[dict]) -> tuple[dict, list[str]]:
+    """transformers' ``pixel_values_videos``/``video_grid_thw`` for clips ``{"video": bytes, "fps"?,
+    "max_frames"?, "max_pixels"?}`` and each clip's prompt text (what replaces its ``<|video_pad|>``)."""
+    import os
+    import tempfile
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import load_video
+
+    processor = _video_processor_class().from_pretrained(model_dir)
+    pixels, grids, texts = [], [], []
+    for clip in clips:
+        with tempfile.NamedTemporaryFile(suffix=".video", delete=False) as f:
+            f.write(clip["video"])
+        try:
+            frames, metadata = load_video(f.name, backend="pyav")
+        finally:
+            os.unlink(f.name)
+        kwargs = {"fps": clip["fps"]} if clip.get("fps") else {}
+        if clip.get("max_frames"):
+            kwargs["max_frames"] = clip["max_frames"]
+        if clip.get("max_pixels"):
+            kwargs["size"] = {"shortest_edge": processor.size.shortest_edge, "longest_edge": clip["max_pixels"]}
+        out = processor(videos=[frames], video_metadata=[metadata], return_tensors="pt", return_metadata=True,
+                        do_convert_rgb=False, cap_pixels_per_frame=False, **kwargs)
+        this = SimpleNamespace(video_processor=processor, vision_start_token="<|vision_start|>",
+                               vision_end_token="<|vision_end|>", video_token="<|video_pad|>")
+        this._calculate_timestamps = lambda *args: Qwen3VLProcessor._calculate_timestamps(this, *args)
+        texts.append(Qwen3VLProcessor.replace_video_token(this, out, 0))
+        pixels.append(out["pixel_values_videos"])
+        grids.append(out["video_grid_thw"])
+    return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.cat(grids)}, texts
+
 # A chat message: {"role": ..., "content": str | [{"type": "image", "image": bytes} | {"type": "text", "text": str}]}
 ChatMessage = dict
 
@@ -35,6 +105,8 @@ class Oracle:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.image_token_id = self.model.config.image_token_id
+        self.video_token_id = self.model.config.video_token_id
+        self.model_dir = model_dir
 
     def inputs(self, prompt: str, images: list[bytes], max_pixels: int | None = None,
                split_special_tokens: bool = False) -> dict:
@@ -48,7 +120,7 @@ class Oracle:
         a list of ``{"type": "text", "text": str}`` / ``{"type": "image", "image": bytes}`` parts;
         images in the order they appear. ``split_special_tokens``: special tokens in the text parts
         are plain text (the template's own stay special)."""
-        chat, images, texts = [], [], []
+        chat, images, texts, clips = [], [], [], []
         for message in messages:
             content = message["content"]
             if isinstance(content, str) and not split_special_tokens:
@@ -57,10 +129,11 @@ class Oracle:
             if isinstance(content, str):
                 content = [{"type": "text", "text": content}]
             images += [part["image"] for part in content if part["type"] == "image"]
+            clips += [part for part in content if part["type"] == "video"]
             parts = []
             for part in content:
-                if part["type"] == "image":
-                    parts.append({"type": "image"})
+                if part["type"] in ("image", "video"):
+                    parts.append({"type": part["type"]})
                 elif split_special_tokens:  # a marker now, tokenized on its own below
                     parts.append({"type": "text", "text": f"\x00{len(texts)}\x00"})
                     texts.append(part["text"])
@@ -80,6 +153,12 @@ class Oracle:
             pieces = text.split("<|image_pad|>")
             counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
             text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+        if clips:
+            video, replacements = video_inputs(self.model_dir, clips)
+            out["pixel_values_videos"] = video["pixel_values_videos"].to(self.model.dtype)
+            out["video_grid_thw"] = video["video_grid_thw"]
+            pieces = text.split("<|video_pad|>")
+            text = pieces[0] + "".join(r + rest for r, rest in zip(replacements, pieces[1:]))
         if split_special_tokens:
             pieces = text.split("\x00")  # template, text 0, template, text 1, ..., template
             ids = torch.tensor([[token for index, piece in enumerate(pieces) for token in self.tokenizer(
@@ -88,7 +167,7 @@ class Oracle:
         else:
             ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         out["input_ids"] = ids
-        out["mm_token_type_ids"] = (ids == self.image_token_id).int()
+        out["mm_token_type_ids"] = (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
         return out
 
     def generate(self, prompt: str, images: list[bytes] = (), max_new_tokens: int = 32,

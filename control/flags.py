@@ -67,6 +67,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--request-timeout-s", "serve.router.request_timeout_s"),
     _flag("--max-queued-requests", "serve.router.max_queued_requests"),
     _flag("--max-images-per-request", "serve.router.max_images_per_request"),
+    _flag("--video-chunk-patches", "serve.router.video_chunk_patches"),
     _flag("--max-request-mb", "serve.router.max_request_mb"),
     _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging, kernels
+from epd import checkpoint, errors, imaging, kernels, limits, video
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -77,7 +77,10 @@ class EncoderEngine:
         weight = next(self.vision.parameters())
         if config.prepack and kernels.can_prepack(weight.device, weight.dtype):
             kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
-        self.settings = ModelInfo.load(serve.model_dir).image_settings(config.max_decoded_pixels)
+        info = ModelInfo.load(serve.model_dir)
+        self.settings = info.image_settings(config.max_decoded_pixels)
+        self.video_settings = info.video_settings()
+        self.video_limits = limits.VideoLimits()
         self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
         self.max_batch_patches = config.max_batch_patches or (16384 if weight.device.type == "cuda" else 1)
         self.num_encoded = 0
@@ -110,7 +113,8 @@ class EncoderEngine:
     WAIT_POLL_S = 0.05  # how often an image whose encode another replica holds looks for the result
     MAX_WAIT_S = 300.0
 
-    def encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool = False) -> EncodeResult:
+    def encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool = False,
+               video_chunk: tuple | None = None) -> EncodeResult:
         """Encode one image and publish it to the store; the embedding also comes back in the
         result when ``inline`` or when the store cannot be reached. Bad input comes back as
         ``error``, never raised.
@@ -120,19 +124,22 @@ class EncoderEngine:
         any Encoder service, holds it, this one waits for that replica's result to appear in the
         store and answers with it (``encode_s`` is the wait, nothing is computed); when the lease
         goes without a result (its holder died: the lease expires within ``LEASE_S``) it tries to
-        take it itself. With ``inline`` (the store is out of reach) it encodes at once."""
+        take it itself. With ``inline`` (the store is out of reach) it encodes at once.
+
+        ``video_chunk`` ``(fps, max_frames, max_pixels, first_patch, num_patches)``: ``data`` is a clip and
+        this item is those temporal patches of it (``epd.video``), encoded as one vision forward."""
         if not inline:
             joined = self._join_or_lease(store_key)
             if joined is not None:
                 return joined
             renewer = self._renew_while_encoding(store_key)
             try:
-                return self._encode(store_key, data, max_pixels, inline)
+                return self._encode(store_key, data, max_pixels, inline, video_chunk)
             finally:
                 renewer.set()
                 with contextlib.suppress(StoreUnavailable):
                     self.store.release_lease(store_key, self.name)
-        return self._encode(store_key, data, max_pixels, inline)
+        return self._encode(store_key, data, max_pixels, inline, video_chunk)
 
     def _join_or_lease(self, store_key: str) -> EncodeResult | None:
         """None once this replica holds the lease (or the store is out of reach: encode anyway);
@@ -163,16 +170,16 @@ class EncoderEngine:
         threading.Thread(target=renew, name="encode-lease", daemon=True).start()
         return done
 
-    def _encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool) -> EncodeResult:
+    def _encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool,
+                video_chunk: tuple | None = None) -> EncodeResult:
         start = time.perf_counter()
         job = _Job(None, (0, 0, 0), Future())
         with self._jobs_lock:
             self._jobs[store_key] = job
         try:
             try:
-                settings = self.settings.with_max_pixels(max_pixels or None)
-                job.pixel_values, job.grid_thw = imaging.load_pixels(data, settings)
-            except imaging.ImageError as error:
+                job.pixel_values, job.grid_thw = self._pixels(data, max_pixels, video_chunk)
+            except (imaging.ImageError, video.VideoError) as error:
                 return EncodeResult(store_key=store_key, error=str(error))
             grid_thw = job.grid_thw
             self._queue.put(job)
@@ -196,6 +203,14 @@ class EncoderEngine:
             store_write_s=end - written,
             embedding=encode_value(store_key, embedding) if inline else b"",
         )
+
+    def _pixels(self, data: bytes, max_pixels: int, video_chunk: tuple | None):
+        if video_chunk is None:
+            return imaging.load_pixels(data, self.settings.with_max_pixels(max_pixels or None))
+        fps, max_frames, clip_pixels, first, count = video_chunk
+        settings = self.video_settings.with_overrides(fps=fps or None, max_frames=max_frames or None,
+                                                      max_pixels=clip_pixels or None, caps=self.video_limits)
+        return video.load_chunk_pixels(data, settings, first, count, self.video_limits)
 
     def cancel(self, store_key: str) -> bool:
         """Nobody waits for this image any more: drop it if it has not reached a forward yet."""

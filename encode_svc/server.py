@@ -97,7 +97,8 @@ class ReplicaPool:
                 if self.balancer.suspect(name) and not await _answers(endpoint.handle):
                     # A replica Ray is restarting would hold the image until it is back: try elsewhere.
                     raise ray.exceptions.ActorUnavailableError("no answer to a ping", None)
-                ref = endpoint.handle.encode.remote(item.store_key, item.data, item.max_pixels, item.inline)
+                ref = endpoint.handle.encode.remote(item.store_key, item.data, item.max_pixels, item.inline,
+                                                    _video_chunk(item))
                 result = await asyncio.wrap_future(ref.future())
                 ok = True
                 return result
@@ -149,6 +150,14 @@ class EncoderServicer(epd_pb2_grpc.EncoderServicer):
         # Every image is submitted before any is awaited: they encode in parallel.
         results = await asyncio.gather(*(self.pool.encode(item) for item in request.items))
         return epd_pb2.EncodeResponse(images=[_to_proto(r) for r in results])
+
+
+def _video_chunk(item: epd_pb2.EncodeItem) -> tuple | None:
+    """A clip chunk's settings and range as plain values for the replica; None for an image."""
+    if not item.HasField("video"):
+        return None
+    v = item.video
+    return (float(v.fps), int(v.max_frames), int(v.max_pixels), int(v.first_patch), int(v.num_patches))
 
 
 def _to_proto(result: EncodeResult) -> epd_pb2.EncodedImage:

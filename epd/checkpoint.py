@@ -45,6 +45,20 @@ LM_HEAD = "lm_head.weight"
 _PROGRESS_MIN_BYTES = 256 * 1024**2
 _FINGERPRINT_SAMPLE = 1024**2
 
+# The video processor's file as Qwen3-VL/Qwen3.5 checkpoints publish it (Qwen3VLVideoProcessor; fps,
+# min/max frames are the class defaults). Without it transformers falls back to Qwen2-VL's video
+# processor built from preprocessor_config.json, which Qwen3.5 checkpoints never do.
+VIDEO_PREPROCESSOR_CONFIG = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
 PREPROCESSOR_CONFIG = {
     "image_processor_type": "Qwen2VLImageProcessor",
     "patch_size": 16,
@@ -328,6 +342,7 @@ def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progr
     save_weights(state, out_dir, progress=progress)
     build_tokenizer().save_pretrained(out_dir)  # also writes chat_template.jinja
     (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
 
 
 def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True,

@@ -257,7 +257,11 @@ class RouterConfig:
     """Calls one router's gRPC server runs at once (streams included); more are refused by gRPC
     with RESOURCE_EXHAUSTED before they are read."""
     max_images_per_request: int = 16
-    """The most images one request may carry; more is INVALID_ARGUMENT."""
+    """The most images and video clips one request may carry; more is INVALID_ARGUMENT."""
+    video_chunk_patches: int = 4
+    """Temporal patches (2 frames each) per encoder item of a video clip: a longer clip is split into
+    chunks of this many, encoded on several encoder replicas at once and reassembled in order (the
+    vision tower attends within each temporal patch, so the embeddings are those of one forward)."""
     max_request_mb: int = 64
     """Largest public request message in MiB (images included); a bigger one is refused by gRPC
     with RESOURCE_EXHAUSTED before it is read. Calls between roles have their own, larger cap."""
@@ -268,6 +272,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
         _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
+        _check_range(self.video_chunk_patches, 1, 4096, "router.video_chunk_patches")
         _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
         _check_range(self.max_queued_requests, -1, 1 << 20, "router.max_queued_requests")
         _check_range(self.max_concurrent_rpcs, 1, 1 << 20, "router.max_concurrent_rpcs")

@@ -6,8 +6,9 @@ import base64
 import binascii
 
 
-def decode_data_url(url: str) -> bytes:
-    """The bytes of a ``data:[<media type>];base64,<data>`` URL; raises ValueError saying what is wrong."""
+def decode_data_url(url: str, kind: str = "image") -> bytes:
+    """The bytes of a ``data:[<media type>];base64,<data>`` URL whose media type is ``kind``/* (or
+    unstated, or application/octet-stream); raises ValueError saying what is wrong."""
     if not url[:5].lower() == "data:":
         raise ValueError("not a data: URL")
     header, sep, data = url.partition(",")
@@ -17,8 +18,8 @@ def decode_data_url(url: str) -> bytes:
     if "base64" not in [p.strip().lower() for p in params[1:]]:
         raise ValueError("data: URLs must be base64 (data:image/png;base64,...)")
     media_type = params[0].strip().lower()
-    if media_type and not media_type.startswith("image/") and media_type != "application/octet-stream":
-        raise ValueError(f"a data: URL of type {media_type!r} is not an image")
+    if media_type and not media_type.startswith(f"{kind}/") and media_type != "application/octet-stream":
+        raise ValueError(f"a data: URL of type {media_type!r} is not {'an image' if kind == 'image' else 'a ' + kind}")
     try:
         return base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError):

@@ -5,16 +5,43 @@ is bounded by the deployment's own ``RouterConfig.max_tokens_limit`` (``--max-to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MAX_TEMPERATURE = 1e6
 """Above this a softmax is uniform to float32's precision anyway (the proto carries a float32)."""
 MAX_LOGPROBS = 20  # epd.sampling's (which imports torch: this module must not, the CLI's parser reads it)
 MAX_TOP_K = 2**31 - 1  # int32 in the proto
 MAX_SEED = 2**64 - 1  # uint64 in the proto
 MAX_PIXELS = 2**63 - 1  # uint64 in the proto; the image processor's own cap applies below it
-__all__ = ["MAX_LOGPROBS", "MAX_PIXELS", "MAX_SEED", "MAX_TEMPERATURE", "MAX_TOP_K", "check_temperature"]
+__all__ = ["MAX_LOGPROBS", "MAX_PIXELS", "MAX_SEED", "MAX_TEMPERATURE", "MAX_TOP_K", "VideoLimits",
+           "check_temperature"]
 
 
 def check_temperature(value: float) -> None:
     """Raise ValueError unless ``value`` is a temperature every front accepts."""
     if not 0 <= value <= MAX_TEMPERATURE:
         raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value:g}")
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one video clip may cost, checked from its header before a frame is decoded
+    (``epd.video.probe_video``), by the router and again by the encoder replica. A header that lies
+    (fewer frames than it claims) is caught by the decode, which never reads past the last sampled
+    frame; one that claims more than these caps is refused at once."""
+
+    max_frames_per_request: int = 768
+    """Frames sampled from all the clips of one request (Qwen3VLVideoProcessor's max_frames); the
+    per-request ``max_frames`` may only lower it."""
+    max_total_frames: int = 100_000
+    """Frames a clip's container may hold (a frame-count bomb is refused from its header)."""
+    max_duration_s: float = 3600.0
+    """A clip's length, frames / rate (a long clip at a tiny size is refused from its header)."""
+    max_frame_pixels: int = 4096 * 4096
+    """One decoded frame's width x height, before resizing."""
+    max_decoded_pixels: int = 2_000_000_000
+    """Pixels decoded to reach a clip's last sampled frame (every frame before it is decoded too)."""
+    max_clip_pixels: int = 32 * 32 * 2 * 16384
+    """The highest per-request ``max_pixels`` (the resized clip's budget, frames x height x width)."""
+    max_fps: float = 60.0
+    """The highest per-request sampling rate."""

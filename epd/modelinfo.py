@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from epd import checkpoint, imaging
+from epd import checkpoint, imaging, video
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,11 @@ class ModelInfo:
     hidden_size: int
     im_start_token_id: int | None = None  # <|im_start|>: where each chat turn begins (None if the tokenizer lacks it)
     vocab_size: int = 0  # the language model's vocabulary (token ids a request may name are below it); 0: unknown
+    video_token_id: int | None = None  # <|video_pad|>
+
+    def video_settings(self) -> video.VideoSettings:
+        """The checkpoint's video_preprocessor_config.json over Qwen3VLVideoProcessor's defaults."""
+        return video.VideoSettings.from_config(os.path.join(self.model_dir, "video_preprocessor_config.json"))
 
     def image_settings(self, max_decoded_pixels: int) -> imaging.ImageSettings:
         """The checkpoint's preprocessing settings (preprocessor_config.json) with the decode ceiling."""
@@ -41,6 +46,7 @@ class ModelInfo:
             hidden_size=config.text_config.hidden_size,
             im_start_token_id=_added_token_id(model_dir, "<|im_start|>"),
             vocab_size=config.text_config.vocab_size,
+            video_token_id=getattr(config, "video_token_id", None),
         )
 
 

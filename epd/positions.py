@@ -1,7 +1,10 @@
 """M-RoPE positions for Qwen3.5 prompts, computed per request from explicit rules.
 
 Every token gets three position components (time, height, width). Text tokens have three equal
-components. An image whose first token sits at position ``s`` and whose merged grid is ``h x w``
+components. A video clip's temporal patches are laid out exactly like images, one after another
+(transformers' ``Qwen3_5Model.get_rope_index`` splits ``video_grid_thw`` [t, h, w] into t grids
+[1, h, w], because each temporal patch sits between its own timestamp text and vision tokens), so
+each run of ``<|video_pad|>`` tokens is an ``ImageSpan`` here. An image whose first token sits at position ``s`` and whose merged grid is ``h x w``
 gives its token at row ``r``, column ``c`` the position ``(s, s + r, s + c)``; the text after it
 continues at ``s + max(h, w)``. Decode step ``i`` of a prompt of length ``L`` uses
 ``L + i + rope_delta`` on all three components, with ``rope_delta = max_position + 1 - L``.
@@ -33,6 +36,17 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class VisionPiece:
+    """One run of placeholder tokens and where its embedding rows come from: rows ``row`` to
+    ``row + span.num_tokens`` of item ``ref`` (an image: its only run; a clip chunk: one temporal patch)."""
+
+    span: ImageSpan
+    ref: int  # index of the item in the request
+    row: int  # first embedding row of this run in the item's embedding
+    name: str  # what the prefix cache hashes for this run (the item's store key, and the patch for a chunk)
 
 
 def find_image_spans(
@@ -69,6 +83,31 @@ def find_image_spans(
     if len(spans) != len(grids):
         raise ValueError(f"prompt has placeholders for {len(spans)} image(s) but {len(grids)} were sent")
     return spans
+
+
+def vision_pieces(prompt_ids: Sequence[int], refs, image_token_id: int, video_token_id: int | None
+                  ) -> list[VisionPiece]:
+    """Every run of placeholder tokens in prompt order, with the item whose embedding rows fill it.
+    ``refs``: the request's items in prompt order (``ImageRef``: ``store_key``, ``merged_height``,
+    ``merged_width``, ``temporal_patches``); a clip chunk of n temporal patches fills n runs of
+    ``<|video_pad|>``. Raises ValueError when the runs and the items disagree."""
+    image_refs = [i for i, ref in enumerate(refs) if not ref.temporal_patches]
+    video_refs = [i for i, ref in enumerate(refs) if ref.temporal_patches]
+    grids = [(refs[i].merged_height, refs[i].merged_width) for i in image_refs]
+    spans = find_image_spans(prompt_ids, image_token_id, grids)
+    pieces = [VisionPiece(span, i, 0, refs[i].store_key) for span, i in zip(spans, image_refs)]
+    if video_refs:
+        if video_token_id is None:
+            raise ValueError("this model has no video token")
+        owners = [(i, k) for i in video_refs for k in range(refs[i].temporal_patches)]
+        grids = [(refs[i].merged_height, refs[i].merged_width) for i, _ in owners]
+        try:
+            spans = find_image_spans(prompt_ids, video_token_id, grids)
+        except ValueError as error:
+            raise ValueError(f"video: {str(error).replace('image', 'temporal patch')}") from None
+        pieces += [VisionPiece(span, i, k * span.num_tokens, f"{refs[i].store_key}#{k}")
+                   for span, (i, k) in zip(spans, owners)]
+    return sorted(pieces, key=lambda piece: piece.span.start)
 
 
 def mrope_positions(num_tokens: int, spans: Sequence[ImageSpan]) -> tuple[torch.Tensor, int]:

@@ -192,23 +192,27 @@ class PrefillEngine:
             raise ValueError("prompt is empty")
         if not 0 <= request.num_generated < len(token_ids):
             raise ValueError(f"num_generated is {request.num_generated} for {len(token_ids)} tokens")
-        grids = [(ref.merged_height, ref.merged_width) for ref in request.images]
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
         prompt_len = len(token_ids) - request.num_generated
-        spans = positions.find_image_spans(token_ids[:prompt_len], self.info.image_token_id, grids)
-        images = [KeyedImage(span, ref.store_key) for span, ref in zip(spans, request.images)]
+        pieces = positions.vision_pieces(token_ids[:prompt_len], request.images, self.info.image_token_id,
+                                         self.info.video_token_id)
+        spans = [piece.span for piece in pieces]
+        images = [KeyedImage(piece.span, piece.name) for piece in pieces]
         hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
                                      request.cache_salt)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
-        needed = [index for index, span in enumerate(spans) if span.end > cached]
+        needed = sorted({piece.ref for piece in pieces if piece.span.end > cached})
         read_start = time.perf_counter()
         image_embeds = self._fetch_embeddings(request.images, needed)
         read_s = time.perf_counter() - read_start
         embeds = self.runner.embed(torch.tensor(token_ids[cached:], dtype=torch.long)).clone()
-        for index in needed:
-            span, start = spans[index], max(spans[index].start, cached)
-            rows = image_embeds[index][start - span.start :]
+        for piece in pieces:
+            span = piece.span
+            if span.end <= cached:
+                continue
+            start = max(span.start, cached)
+            rows = image_embeds[piece.ref][piece.row + start - span.start : piece.row + span.num_tokens]
             embeds[start - cached : span.end - cached] = rows.to(embeds.device, embeds.dtype)
         pos, rope_delta = positions.mrope_positions(len(token_ids), spans)
         stops = snapshot_points(len(token_ids), self.prefix.block_size, self.prefix.every_blocks,
@@ -227,8 +231,8 @@ class PrefillEngine:
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
         """Embeddings of the images at ``needed``: sent inline, else the in-process LRU, else one
         Redis MGET. A value of the wrong shape counts as missing and is never cached."""
-        expected = {images[i].store_key: (images[i].merged_height * images[i].merged_width, self.info.hidden_size)
-                    for i in needed}
+        expected = {images[i].store_key: (max(1, images[i].temporal_patches) * images[i].merged_height
+                                          * images[i].merged_width, self.info.hidden_size) for i in needed}
         found: dict[str, torch.Tensor] = {}
         for index in needed:
             ref = images[index]

@@ -183,6 +183,7 @@ class RouterCore:
             stop_reason = {"stop_string": text.matched}
         elif finish == FinishReason.STOP.value and text.stop_token is not None:
             stop_reason = {"stop_token_id": text.stop_token}
+        chunk_keys = {image.store_key for image in prompt.images if image.video is not None}
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
             **stop_reason,
             request_id=request.request_id or logs.REQUEST_ID.get() or run.request_id,  # the id the logs name
@@ -192,15 +193,19 @@ class RouterCore:
             finish_reason=finish,
             ttft_s=ttft,
             e2e_s=time.perf_counter() - start,
-            images=len(prompt.images),
-            images_encoded=len(run.encoded),
+            images=prompt.num_pictures,
+            images_encoded=len(run.encoded - chunk_keys),
             seed=sampling.seed,
             cached_tokens=reply.cached_tokens,
             # Every distinct image this request did not encode came from a cache: Redis, the
             # prefill worker's LRU, the prefix cache, or another request's encode it waited on.
-            images_cached=len({image.store_key for image in prompt.images} - run.encoded),
+            images_cached=len({image.store_key for image in prompt.images} - chunk_keys - run.encoded),
             timings=run.timings,
             resumes=run.resumes,
+            videos=len(prompt.videos),
+            video_tokens=prompt.num_video_tokens,
+            video_chunks=len(chunk_keys),
+            video_chunks_encoded=len(run.encoded & chunk_keys),
         ))
 
     # ---------------------------------------------------------------- steps
@@ -309,8 +314,8 @@ class RouterCore:
         """One Encode call for the keys this request leads; every waiter gets the outcome, and every
         led key is resolved whatever happens (a waiter must never wait for ever)."""
         images = run.prompt.images
-        items = [epd_pb2.EncodeItem(store_key=key, data=images[first[key]].data,
-                                    max_pixels=images[first[key]].max_pixels, inline=inline) for key in led]
+        items = [epd_pb2.EncodeItem(store_key=key, data=images[first[key]].data, max_pixels=images[first[key]].max_pixels,
+                                    inline=inline, video=images[first[key]].video) for key in led]
         results: dict[str, epd_pb2.EncodedImage] = {}
         failure: BaseException | None = None
         try:
@@ -338,7 +343,8 @@ class RouterCore:
     @staticmethod
     def _check_encoded(prompt: Prompt, index: int, result: epd_pb2.EncodedImage) -> None:
         if result.error:
-            raise ValueError(f"image {index}: {result.error}")
+            what = "video" if prompt.images[index].video is not None else f"image {index}"
+            raise ValueError(f"{what}: {result.error}")
         if result.num_tokens != prompt.images[index].info.num_tokens:
             raise errors.ServiceError(f"image {index}: encoder made {result.num_tokens} tokens, the header "
                                       f"promised {prompt.images[index].info.num_tokens}")

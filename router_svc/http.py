@@ -294,10 +294,10 @@ class HttpFront:
                 generation = _bool({"add_generation_prompt": True, **body}, "add_generation_prompt")
                 template = _object(body, "chat_template_kwargs", {"enable_thinking"})
                 thinking = _bool(template, "enable_thinking", "chat_template_kwargs.enable_thinking")
-                mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
+                mm = _object(body, "mm_processor_kwargs", MM_KWARGS)
                 max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
-                messages = await self._messages(body.get("messages"))
+                messages = await self._messages(body.get("messages"), _video_options(mm, "mm_processor_kwargs"))
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
                                                     generation)
                 ids = prompt.token_ids
@@ -481,7 +481,7 @@ class HttpFront:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
 
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
-        mm = _object(body, "mm_processor_kwargs", {"max_pixels"})
+        mm = _object(body, "mm_processor_kwargs", MM_KWARGS)
         if "max_pixels" in mm:
             request.max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels")
         template = _object(body, "chat_template_kwargs", {"enable_thinking"})
@@ -489,7 +489,7 @@ class HttpFront:
         if "user" in body and not isinstance(body["user"], str):
             raise HttpError(400, "user must be a string", param="user")
         request.cache_salt = _cache_salt(body)
-        request.messages.extend(await self._messages(body.get("messages")))
+        request.messages.extend(await self._messages(body.get("messages"), _video_options(mm, "mm_processor_kwargs")))
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
                               token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous)
         request.return_prompt_token_ids = options.token_ids
@@ -521,7 +521,9 @@ class HttpFront:
         return request, options
 
 
-    async def _messages(self, messages) -> list[epd_pb2.ChatMessage]:
+    async def _messages(self, messages, video_options: dict | None = None) -> list[epd_pb2.ChatMessage]:
+        """``video_options``: the request's ``fps`` / ``max_frames`` for every clip (a clip's own
+        ``video_url`` object may set them, and ``max_pixels``, for itself)."""
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages must be a non-empty list", param="messages")
         out, loads = [], []
@@ -548,24 +550,33 @@ class HttpFront:
                     chat.content.append(epd_pb2.ContentPart(text=part["text"]))
                 elif kind == "image_url":
                     chat.content.append(epd_pb2.ContentPart(image=b""))
-                    loads.append((chat.content[-1], _image_url(part, here), here))
+                    loads.append((chat.content[-1], _image_url(part, here), here, "image"))
+                elif kind == "video_url":
+                    url, options = _video_url(part, here)
+                    chat.content.append(epd_pb2.ContentPart(video=epd_pb2.VideoPart(**{**(video_options or {}),
+                                                                                       **options})))
+                    loads.append((chat.content[-1], url, here, "video"))
                 else:
-                    raise HttpError(400, f'{here} must be {{"type": "text", "text": STR}} or {{"type": "image_url", '
-                                    f'"image_url": {{"url": URL}}}}; got type {kind!r}', param="messages",
+                    raise HttpError(400, f'{here} must be {{"type": "text", "text": STR}}, {{"type": "image_url", '
+                                    f'"image_url": {{"url": URL}}}} or {{"type": "video_url", "video_url": {{"url": '
+                                    f'URL}}}}; got type {kind!r}', param="messages",
                                     code="unsupported_parameter" if kind else None)
             out.append(chat)
         if len(loads) > self.max_images:  # before any URL is fetched or any data: URL decoded
             raise HttpError(400, f"request has {len(loads)} images; at most {self.max_images} images per request "
-                            "are allowed (router.max_images_per_request)", param="messages")
+                            "are allowed (router.max_images_per_request; a video clip counts as an image)", param="messages")
         if loads:
-            results = await asyncio.gather(*(self.media.load(url, where) for _, url, where in loads),
+            results = await asyncio.gather(*(self.media.load(url, where, kind) for _, url, where, kind in loads),
                                            return_exceptions=True)
-            for (part, _, _), result in zip(loads, results):
+            for (part, _, _, _), result in zip(loads, results):
                 if isinstance(result, MediaError):
                     raise HttpError(400, str(result), param="messages")
                 if isinstance(result, BaseException):
                     raise result
-                part.image = result
+                if part.WhichOneof("part") == "video":
+                    part.video.data = result
+                else:
+                    part.image = result
         return out
 
     # ------------------------------------------------------------ response pieces
@@ -707,6 +718,44 @@ def _image_url(part: dict, where: str) -> str:
             raise HttpError(400, f"{where}.image_url.detail: only 'auto' is supported; lower the resolution with "
                             "mm_processor_kwargs.max_pixels", param="messages", code="unsupported_parameter")
     return url
+
+
+MM_KWARGS = {"max_pixels", "fps", "max_frames"}
+"""mm_processor_kwargs this server takes: max_pixels (each image's cap), fps and max_frames (every clip's
+sampling, as vLLM's Qwen video processor takes them)."""
+VIDEO_OPTIONS = {"fps", "max_frames", "max_pixels"}  # a video_url object's own (max_pixels: the clip's budget)
+
+
+def _video_options(body: dict, shown: str, names=("fps", "max_frames")) -> dict:
+    """Checked video overrides, as VideoPart fields (the server's caps are checked by the router)."""
+    out: dict = {}
+    if "fps" in body and "fps" in names:
+        out["fps"] = _number({f"{shown}.fps": body["fps"]}, f"{shown}.fps")
+        if out["fps"] < 0:
+            raise HttpError(400, f"{shown}.fps must be a positive number", param=shown)
+    if "max_frames" in body and "max_frames" in names:
+        out["max_frames"] = _integer(body, "max_frames", 0, 2**32 - 1, f"{shown}.max_frames")
+    if "max_pixels" in body and "max_pixels" in names:
+        out["max_pixels"] = _integer(body, "max_pixels", 0, limits.MAX_PIXELS, f"{shown}.max_pixels")
+    return out
+
+
+def _video_url(part: dict, where: str) -> tuple[str, dict]:
+    extra = set(part) - {"type", "video_url"}
+    if extra:
+        raise HttpError(400, f"{where}: {', '.join(sorted(extra))} not supported by this server", param="messages")
+    clip = part.get("video_url")
+    url = clip.get("url") if isinstance(clip, dict) else clip if isinstance(clip, str) else None
+    if not isinstance(url, str):
+        raise HttpError(400, f'{where}.video_url must be {{"url": URL}}', param="messages")
+    if not isinstance(clip, dict):
+        return url, {}
+    unknown = set(clip) - {"url"} - VIDEO_OPTIONS
+    if unknown:
+        raise HttpError(400, f"{where}.video_url: {', '.join(sorted(unknown))} not supported by this server "
+                        f"(supported: url, {', '.join(sorted(VIDEO_OPTIONS))})", param="messages")
+    return url, _video_options({k: v for k, v in clip.items() if v is not None}, f"{where}.video_url",
+                               tuple(VIDEO_OPTIONS))
 
 
 def _bool(body: dict, name: str, shown: str = "") -> bool:

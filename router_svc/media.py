@@ -51,16 +51,16 @@ class MediaLoader:
         self.local_root = os.path.realpath(config.allowed_local_media_path) if config.allowed_local_media_path else ""
         self._ssl = ssl.create_default_context()
 
-    async def load(self, url: str, where: str) -> bytes:
-        """The image bytes ``url`` names; raises MediaError (prefixed with ``where``)."""
+    async def load(self, url: str, where: str, kind: str = "image") -> bytes:
+        """The image (or, ``kind`` "video", clip) bytes ``url`` names; raises MediaError (prefixed with ``where``)."""
         if not isinstance(url, str) or not url:
-            raise MediaError(f"{where}: image_url.url must be a non-empty string")
+            raise MediaError(f"{where}: {kind}_url.url must be a non-empty string")
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         try:
             if scheme == "data":
                 if len(url) < DATA_OFF_LOOP_CHARS:
-                    return decode_data_url(url)
-                return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url)  # off the loop
+                    return decode_data_url(url, kind)
+                return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url, kind)  # off the loop
             if scheme in ("http", "https"):
                 if not self.config.allow_media_urls:
                     raise MediaError("image URLs are not fetched by this server (it was started without "
@@ -79,7 +79,7 @@ class MediaLoader:
             # directory, a file that vanished, an I/O error, a peer that hung up): a 400 saying why.
             reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
             raise MediaError(f"{where}: cannot read the image at {_shown(url)}: {reason}") from None
-        raise MediaError(f"{where}: image_url.url must be a data:, http(s):// or file:// URL")
+        raise MediaError(f"{where}: {kind}_url.url must be a data:, http(s):// or file:// URL")
 
     # ------------------------------------------------------------ http(s)
 
@@ -221,9 +221,9 @@ class MediaLoader:
                 os.close(fd)
 
 
-def decode_data_url(url: str) -> bytes:
+def decode_data_url(url: str, kind: str = "image") -> bytes:
     try:
-        return dataurl.decode_data_url(url)
+        return dataurl.decode_data_url(url, kind)
     except ValueError as error:
         raise MediaError(str(error)) from None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from epd import imaging, store
+from epd import imaging, limits, store, video
 from epd.modelinfo import ModelInfo
 from epd.v1 import epd_pb2
 from router_svc.tokens import PlainText
@@ -37,29 +37,65 @@ RESERVED = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|
 
 
 @dataclass(frozen=True)
+class ChunkInfo:
+    """The shape of one chunk of a clip: ``grid_thw[0]`` temporal patches of ``h x w`` patches."""
+
+    grid_thw: tuple[int, int, int]
+    merge_size: int = 2
+
+    @property
+    def merged_grid(self) -> tuple[int, int]:
+        _, h, w = self.grid_thw
+        return h // self.merge_size, w // self.merge_size
+
+    @property
+    def num_tokens(self) -> int:
+        h, w = self.merged_grid
+        return self.grid_thw[0] * h * w
+
+
+@dataclass(frozen=True)
 class PromptImage:
+    """One encoder item: an image, or a chunk of a clip's temporal patches (``video`` set)."""
+
     data: bytes
-    info: imaging.ImageInfo
+    info: imaging.ImageInfo | ChunkInfo
     store_key: str
     max_pixels: int  # the cap this request resized with; part of the key, sent to the encoder
+    video: epd_pb2.VideoChunk | None = None
 
 
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
-    images: list[PromptImage]  # in prompt order
+    images: list[PromptImage]  # encoder items (images and clip chunks) in prompt order
+    videos: tuple[video.VideoInfo, ...] = ()  # the clips, in prompt order
 
     @property
     def num_image_tokens(self) -> int:
-        return sum(image.info.num_tokens for image in self.images)
+        return sum(image.info.num_tokens for image in self.images if image.video is None)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(clip.num_tokens for clip in self.videos)
+
+    @property
+    def num_pictures(self) -> int:
+        """Images alone, clip chunks not counted."""
+        return sum(image.video is None for image in self.images)
 
 
 class PromptBuilder:
     def __init__(self, tokenizer, info: ModelInfo, settings: imaging.ImageSettings, *, max_model_len: int = 0,
-                 max_images: int = 16, allow_special_tokens: bool = False) -> None:
+                 max_images: int = 16, allow_special_tokens: bool = False,
+                 video_settings: video.VideoSettings | None = None, video_chunk_patches: int = 4,
+                 video_limits: limits.VideoLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.settings = settings
+        self.video_settings = video_settings or video.VideoSettings()
+        self.video_chunk_patches = video_chunk_patches
+        self.video_limits = video_limits or limits.VideoLimits()
         self.max_model_len = max_model_len or info.max_position_embeddings
         self.max_images = max_images
         self.allow_special_tokens = allow_special_tokens
@@ -71,10 +107,12 @@ class PromptBuilder:
 
     @classmethod
     def load(cls, model_dir: str, info: ModelInfo, max_decoded_pixels: int, **limits) -> PromptBuilder:
-        """``limits``: ``max_model_len``, ``max_images``, ``allow_special_tokens`` (see ``__init__``)."""
+        """``limits``: ``max_model_len``, ``max_images``, ``allow_special_tokens``, ``video_chunk_patches``
+        (see ``__init__``)."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels), **limits)
+        return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels),
+                   video_settings=info.video_settings(), **limits)
 
     def build(self, messages, max_pixels: int | None, enable_thinking: bool, add_generation_prompt: bool = True
               ) -> Prompt:
@@ -82,7 +120,7 @@ class PromptBuilder:
         ``add_generation_prompt`` False (``POST /tokenize`` may ask) leaves out the assistant header."""
         self._check_limits(messages)
         settings = self.settings.with_max_pixels(max_pixels)
-        chat, images = self._to_chat(messages, settings)
+        chat, images, clips = self._to_chat(messages, settings)
         try:
             text = self.tokenizer.apply_chat_template(
                 chat, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -99,7 +137,10 @@ class PromptBuilder:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = self.plain.encode(text)
-        return Prompt(token_ids=self._expand_placeholders(ids, images), images=images)
+        ids = self._expand_video_placeholders(ids, clips)
+        items = self._in_prompt_order(messages, images, clips)
+        return Prompt(token_ids=self._expand_placeholders(ids, [i for i in items if i.video is None]), images=items,
+                      videos=tuple(clip for clip, _ in clips))
 
     def build_completion(self, text: str, token_ids) -> Prompt:
         """A completion's prompt, no template: ``text`` tokenized as plain text (as written with
@@ -147,10 +188,11 @@ class PromptBuilder:
         if len(messages) + num_parts > self.max_model_len:
             raise ValueError(f"request has {len(messages)} messages with {num_parts} content parts; a context "
                              f"window of {self.max_model_len} tokens cannot hold them")
-        num_images = sum(part.WhichOneof("part") == "image" for message in messages for part in message.content)
+        num_images = sum(part.WhichOneof("part") in ("image", "video") for message in messages
+                         for part in message.content)
         if num_images > self.max_images:
             raise ValueError(f"request has {num_images} images; at most {self.max_images} images per request "
-                             "are allowed (router.max_images_per_request)")
+                             "are allowed (router.max_images_per_request; a video clip counts as an image)")
         if self.max_text_chars is not None:
             chars = sum(len(part.text) for message in messages for part in message.content)
             if chars > self.max_text_chars:
@@ -159,9 +201,11 @@ class PromptBuilder:
                     f"window of {self.max_model_len} tokens can hold (a token is at most "
                     f"{self.plain.longest_token_bytes} bytes); refused without tokenizing")
 
-    def _to_chat(self, messages, settings) -> tuple[list[dict], list[PromptImage]]:
+    def _to_chat(self, messages, settings) -> tuple[list[dict], list[PromptImage], list]:
         chat: list[dict] = []
         images: list[PromptImage] = []
+        clips: list[tuple[video.VideoInfo, list[PromptImage]]] = []
+        frames = 0
         has_content = False
         for m_index, message in enumerate(messages):
             if message.role not in ROLES:
@@ -171,6 +215,15 @@ class PromptBuilder:
                 if part.WhichOneof("part") == "image":
                     images.append(self._image(part.image, len(images), settings))
                     parts.append({"type": "image"})
+                    has_content = True
+                elif part.WhichOneof("part") == "video":
+                    clips.append(self._video(part.video, len(clips)))
+                    frames += len(clips[-1][0].indices)
+                    if frames > self.video_limits.max_frames_per_request:
+                        raise ValueError(f"request samples {frames} video frames, above the limit of "
+                                         f"{self.video_limits.max_frames_per_request} per request "
+                                         "(limits.VideoLimits.max_frames_per_request)")
+                    parts.append({"type": "video"})
                     has_content = True
                 elif part.WhichOneof("part") == "text":
                     if self.allow_special_tokens:
@@ -187,7 +240,7 @@ class PromptBuilder:
             chat.append(entry)
         if not has_content:
             raise ValueError("prompt is empty: no text and no images")
-        return chat, images
+        return chat, images, clips
 
     def _escape(self, text: str, role: str) -> str:
         """Client text as the template must see it: plain text, except the model's own structure
@@ -204,6 +257,57 @@ class PromptBuilder:
             raise ValueError(f"image {index}: {error}") from None
         key = store.store_key(self.info.fingerprint, imaging.image_key(data, settings))
         return PromptImage(data=data, info=info, store_key=key, max_pixels=settings.max_pixels)
+
+    def _video(self, part: epd_pb2.VideoPart, index: int) -> tuple[video.VideoInfo, list[PromptImage]]:
+        """Probe a clip's header (nothing decoded) and cut it into encoder chunks, each keyed by
+        the clip's bytes, every setting that changes its embeddings, and its range."""
+        try:
+            settings = self.video_settings.with_overrides(
+                fps=part.fps if part.HasField("fps") else None,
+                max_frames=part.max_frames if part.HasField("max_frames") else None,
+                max_pixels=part.max_pixels if part.HasField("max_pixels") else None, caps=self.video_limits)
+            info = video.probe_video(part.data, settings, self.video_limits)
+        except video.VideoError as error:
+            raise ValueError(f"video {index}: {error}") from None
+        _, h, w = info.grid_thw
+        chunks = []
+        for first, count in video.chunks(info.grid_thw[0], self.video_chunk_patches):
+            key = store.store_key(self.info.fingerprint, video.chunk_key(part.data, settings, first, count))
+            spec = epd_pb2.VideoChunk(fps=settings.fps, max_frames=settings.max_frames, max_pixels=settings.max_pixels,
+                                      first_patch=first, num_patches=count)
+            chunks.append(PromptImage(data=part.data, info=ChunkInfo((count, h, w), settings.merge_size),
+                                      store_key=key, max_pixels=0, video=spec))
+        return info, chunks
+
+    @staticmethod
+    def _in_prompt_order(messages, images: list[PromptImage], clips) -> list[PromptImage]:
+        """Images and clip chunks in the order their parts come."""
+        image_iter, clip_iter = iter(images), iter(clips)
+        out: list[PromptImage] = []
+        for message in messages:
+            for part in message.content:
+                kind = part.WhichOneof("part")
+                if kind == "image":
+                    out.append(next(image_iter))
+                elif kind == "video":
+                    out.extend(next(clip_iter)[1])
+        return out
+
+    def _expand_video_placeholders(self, ids: list[int], clips) -> list[int]:
+        pad = self.info.video_token_id
+        if not clips:
+            return ids
+        if ids.count(pad) != len(clips):
+            raise ValueError(f"chat template produced {ids.count(pad)} video placeholders for {len(clips)} clip(s)")
+        out: list[int] = []
+        remaining = iter(clips)
+        for token in ids:
+            if token == pad:
+                out.extend(video.prompt_token_ids(next(remaining)[0], self.plain.encode_text,
+                                                  self.info.vision_start_token_id, self.info.vision_end_token_id, pad))
+            else:
+                out.append(token)
+        return out
 
     @staticmethod
     def _check_text(text: str, m_index: int) -> None:
@@ -225,6 +329,7 @@ class PromptBuilder:
 
 def request_images_proto(prompt: Prompt) -> list[epd_pb2.ImageRef]:
     return [
-        epd_pb2.ImageRef(store_key=i.store_key, merged_height=i.info.merged_grid[0], merged_width=i.info.merged_grid[1])
+        epd_pb2.ImageRef(store_key=i.store_key, merged_height=i.info.merged_grid[0], merged_width=i.info.merged_grid[1],
+                         temporal_patches=i.video.num_patches if i.video is not None else 0)
         for i in prompt.images
     ]

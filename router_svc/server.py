@@ -71,7 +71,8 @@ class RouterServer(rpc.RoleServer):
         info = ModelInfo.load(serve.model_dir)
         builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels,
                                      max_model_len=config.max_model_len, max_images=config.max_images_per_request,
-                                     allow_special_tokens=config.allow_special_tokens)
+                                     allow_special_tokens=config.allow_special_tokens,
+                                     video_chunk_patches=config.video_chunk_patches)
         internal = rpc.internal_transport(serve.security)
         wait = serve.replica_wait_s
         self._targets = [discovery.encoder_targets(context, internal, wait),

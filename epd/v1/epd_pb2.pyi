@@ -7,12 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: bytes
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+    video: VideoPart
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., video: _Optional[_Union[VideoPart, _Mapping]] = ...) -> None: ...
+
+class VideoPart(_message.Message):
+    __slots__ = ("data", "fps", "max_frames", "max_pixels")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    fps: float
+    max_frames: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., fps: _Optional[float] = ..., max_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name")
@@ -118,7 +132,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings", "resumes", "stop_string", "stop_token_id")
+    __slots__ = ("request_id", "prompt_tokens", "image_tokens", "completion_tokens", "finish_reason", "ttft_s", "e2e_s", "images", "images_encoded", "seed", "cached_tokens", "images_cached", "timings", "resumes", "stop_string", "stop_token_id", "videos", "video_tokens", "video_chunks", "video_chunks_encoded")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +149,10 @@ class Summary(_message.Message):
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_CHUNKS_ENCODED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     image_tokens: int
@@ -151,7 +169,11 @@ class Summary(_message.Message):
     resumes: int
     stop_string: str
     stop_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., resumes: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    videos: int
+    video_tokens: int
+    video_chunks: int
+    video_chunks_encoded: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., images: _Optional[int] = ..., images_encoded: _Optional[int] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., images_cached: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., resumes: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., videos: _Optional[int] = ..., video_tokens: _Optional[int] = ..., video_chunks: _Optional[int] = ..., video_chunks_encoded: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("encode_s", "store_write_s", "store_read_s", "prefill_s", "handoff_s", "handoff_bytes", "queue_s")
@@ -180,16 +202,32 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class EncodeItem(_message.Message):
-    __slots__ = ("store_key", "data", "max_pixels", "inline")
+    __slots__ = ("store_key", "data", "max_pixels", "inline", "video")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     data: bytes
     max_pixels: int
     inline: bool
-    def __init__(self, store_key: _Optional[str] = ..., data: _Optional[bytes] = ..., max_pixels: _Optional[int] = ..., inline: _Optional[bool] = ...) -> None: ...
+    video: VideoChunk
+    def __init__(self, store_key: _Optional[str] = ..., data: _Optional[bytes] = ..., max_pixels: _Optional[int] = ..., inline: _Optional[bool] = ..., video: _Optional[_Union[VideoChunk, _Mapping]] = ...) -> None: ...
+
+class VideoChunk(_message.Message):
+    __slots__ = ("fps", "max_frames", "max_pixels", "first_patch", "num_patches")
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PATCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    fps: float
+    max_frames: int
+    max_pixels: int
+    first_patch: int
+    num_patches: int
+    def __init__(self, fps: _Optional[float] = ..., max_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., first_patch: _Optional[int] = ..., num_patches: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("items",)
@@ -222,16 +260,18 @@ class EncodeResponse(_message.Message):
     def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("store_key", "merged_height", "merged_width", "embedding")
+    __slots__ = ("store_key", "merged_height", "merged_width", "embedding", "temporal_patches")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     MERGED_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     MERGED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCHES_FIELD_NUMBER: _ClassVar[int]
     store_key: str
     merged_height: int
     merged_width: int
     embedding: bytes
-    def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ..., embedding: _Optional[bytes] = ...) -> None: ...
+    temporal_patches: int
+    def __init__(self, store_key: _Optional[str] = ..., merged_height: _Optional[int] = ..., merged_width: _Optional[int] = ..., embedding: _Optional[bytes] = ..., temporal_patches: _Optional[int] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs", "stop_token_ids", "min_tokens", "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
