@@ -51,10 +51,9 @@ ROLE_ACTORS = {
 }
 """The class each role's replicas run as: every one takes ``(ServeConfig, RoleContext)``."""
 REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
-MAX_RESTARTS = 3
-"""Ray restarts a replica whose process died this many times; after that the controller replaces it."""
-STATUS_WAIT_S = 2.0
-"""How long `epd status` waits for a replica to say how much work it holds."""
+MAX_RESTARTS = DeployConfig.max_restarts
+"""The default of ``DeployConfig.max_restarts`` (Ray restarts a dead replica's process this many
+times; after that the controller replaces it)."""
 
 
 class Controller:
@@ -65,7 +64,7 @@ class Controller:
         self.config = config
         self.registry = ray.remote(discovery.Registry).options(
             name=discovery.REGISTRY_NAME, lifetime="detached", get_if_exists=True, max_restarts=-1,
-            max_task_retries=-1, num_cpus=0, scheduling_strategy=_here()).remote()
+            max_task_retries=-1, num_cpus=0, scheduling_strategy=_here()).remote(config.heartbeat_s)
         self.fleet = Fleet()
         self._registry_epoch = ("", 0.0)  # the registry's epoch, and when this controller first saw it
         self._handles: dict[str, ray.actor.ActorHandle] = {}
@@ -244,11 +243,13 @@ class Controller:
         # SPREAD: Ray's default policy packs zero-CPU actors onto the first node that has their
         # custom resources, so every replica of every role sat on one worker and losing that
         # machine lost them all; SPREAD deals them out over the nodes that offer the resources.
-        options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name,
-                   "lifetime": "detached", "max_restarts": MAX_RESTARTS, "max_task_retries": 0,
+        actor_options = cls.actor_options(cfg.serve) if hasattr(cls, "actor_options") else {}
+        options = {**actor_options, **cfg.role_resources(role).ray_options(), "name": name,
+                   "lifetime": "detached", "max_restarts": cfg.max_restarts, "max_task_retries": 0,
                    "scheduling_strategy": "SPREAD"}
         context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
-                                        poll_s=cfg.poll_s)
+                                        poll_s=cfg.poll_s, heartbeat_s=cfg.heartbeat_s,
+                                        refill_grace_s=cfg.refill_grace_s)
         serve = self._router_serve(name) if role == "router" else cfg.serve
         return ray.remote(cls).options(**options).remote(serve, context)
 
@@ -308,7 +309,7 @@ class Controller:
 
     def _work_in_flight(self) -> dict[str, int]:
         """The requests each replica works on now (an encoder's: images queued for it or running),
-        asked of every replica at once; one that does not answer within ``STATUS_WAIT_S`` is left out."""
+        asked of every replica at once; one that does not answer within ``status_wait_s`` is left out."""
         with self._lock:
             handles = dict(self._handles)
         services = [h for n, h in handles.items() if n.startswith("encode-")]
@@ -317,7 +318,7 @@ class Controller:
             asked[name] = ([s.outstanding.remote(name) for s in services] if name.startswith("encoder-")
                            else [handle.requests.remote()])
         refs = [ref for parts in asked.values() for ref in parts]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_WAIT_S)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.status_wait_s)
         answered = set(ready)
         found: dict[str, int] = {}
         for name, parts in asked.items():
@@ -331,11 +332,11 @@ class Controller:
 
     def _kv_usage(self) -> dict[str, dict]:
         """Each decode replica's K/V pool now (``DecodeServer.kv_usage``), asked of all at once;
-        one that does not answer within ``STATUS_WAIT_S`` is left out."""
+        one that does not answer within ``status_wait_s`` is left out."""
         with self._lock:
             refs = {name: handle.kv_usage.remote() for name, handle in self._handles.items()
                     if name.startswith("decode-")}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_WAIT_S)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.status_wait_s)
         found = {}
         for name, ref in refs.items():
             if ref in ready:
@@ -403,7 +404,7 @@ class Controller:
         view = ray.get(self.registry.snapshot.remote(), timeout=30)
         if view.epoch != self._registry_epoch[0]:
             self._registry_epoch = (view.epoch, time.monotonic())
-        refilling = time.monotonic() - self._registry_epoch[1] < discovery.REFILL_GRACE_S
+        refilling = time.monotonic() - self._registry_epoch[1] < self.config.refill_grace_s
         with self._lock:
             known = sum(r.registered for r in self.fleet.replicas.values())
         if (view.warming or refilling) and len(view.endpoints) < known:

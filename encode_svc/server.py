@@ -169,9 +169,10 @@ class EncodeServer(rpc.RoleServer):
     SERVING while at least one replica takes work."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         self.pool = ReplicaPool(serve.encode.max_queued_per_replica, serve.replica_wait_s)
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
-                                              context.poll_s, self.pool.balancer.outstanding)
+                                              context.poll_s, self.pool.balancer.outstanding, context.refill_grace_s)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
                     context.host, rpc.internal_transport(serve.security),
                     healthy=lambda: self.pool.balancer.num_available() > 0)
