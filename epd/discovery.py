@@ -364,6 +364,23 @@ class Balancer:
             return {name for name, incarnation in tried.items()
                     if name not in self._live or self._live[name].incarnation == incarnation}
 
+    WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
+
+    async def pick_or_wait(self, tried: dict[str, str], until: float, wait: bool = True) -> tuple[str, Endpoint]:
+        """``pick`` passing over the replicas in ``tried`` (name -> the incarnation that failed this
+        call) that are still that incarnation. When none is left (the only one died), and ``wait``,
+        look again every ``WAIT_POLL_S`` until one is, a restarted replica included (a new
+        incarnation), or until ``until`` (``time.monotonic()``): a lone replica's restart is a
+        pause. Raises ``errors.Unavailable`` when none is left in time."""
+        while True:
+            try:
+                return self.pick(exclude=self.same_incarnation(tried))
+            except errors.Unavailable:
+                left = until - time.monotonic()
+                if left <= 0 or not wait:
+                    raise
+                await asyncio.sleep(min(self.WAIT_POLL_S, left))
+
     def any_allowed(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
         """Whether ``pick(exclude)`` would find a replica (without picking it)."""
         now = time.monotonic()
@@ -434,8 +451,6 @@ class Targets:
     """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
     least busy allowed replica and tries the others when the replica itself fails."""
 
-    WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
-
     def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext,
                  transport: rpc.Transport, wait_s: float = 0.0) -> None:
         self.role = role
@@ -466,16 +481,9 @@ class Targets:
         tried: dict[str, str] = {}  # name -> the incarnation that failed this call
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        give_up = min(start + self.wait_s, deadline if deadline is not None else float("inf"))
         while True:
-            try:
-                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
-            except errors.Unavailable:
-                now = time.monotonic()
-                left = min(start + self.wait_s, deadline if deadline is not None else float("inf")) - now
-                if left <= 0 or (tried and not retry):
-                    raise
-                await asyncio.sleep(min(self.WAIT_POLL_S, left))
-                continue
+            name, endpoint = await self.balancer.pick_or_wait(tried, give_up, wait=not tried or retry)
             address = endpoint.address
             ok = None
             try:
