@@ -142,7 +142,7 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--http-max-open-requests", "serve.http.max_open_requests"),
 )
 SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
-         _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)
+         _flag("--num-gpus", "local_gpus"), _flag("--metrics-port", "metrics_port"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),

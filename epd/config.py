@@ -597,7 +597,8 @@ class DeployConfig:
     """Ray resources per role (see ``deploy/roles.toml``)."""
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     metrics_port: int = 0
-    """Port of the controller's Prometheus endpoint; 0 picks a free one."""
+    """Port of the controller's Prometheus endpoint; 0 picks a free one (kept across a restart of
+    the controller)."""
     poll_s: float = 0.25
     """How often a role re-reads the registry for replicas that joined or left."""
     drain_timeout_s: float = 30.0
