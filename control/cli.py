@@ -763,8 +763,8 @@ _HISTORY = ("unhealthy", "recovered", "restarted", "died", "replaced")
 def status_lines(status: dict, header: bool = False) -> list[str]:
     """`epd status` as text. A role's header says what its replicas do now (`router: 1 of 1
     serving`, `prefill: 0 of 1 serving, 1 not answering`); what happened to them since the
-    controller started (unhealthy, recovered, ...) is counted apart, under "history", with the
-    latest events after it."""
+    deployment started (unhealthy, recovered, ..., across controller restarts) is counted apart,
+    under "history", with the latest events after it."""
     lines = []
     if header:
         lines.append(f"--- {time.strftime('%H:%M:%S', time.localtime(status['time']))}")
@@ -799,8 +799,14 @@ def status_lines(status: dict, header: bool = False) -> list[str]:
         events = ", ".join(f"{counts[kind]} {kind}" for kind in _HISTORY if counts.get(kind))
         if events:
             history.append(f"{role} {events}")
+    restarts = status.get("controller_starts", 1) - 1
+    if restarts:
+        history.append(f"controller restarted {restarts}x")
     if history or status["events"]:
-        lines.append("history (since the controller started, not the state now): "
+        since = status.get("since")
+        when = f"the deployment started at {time.strftime('%H:%M:%S', time.localtime(since))}" if since \
+            else "the deployment started"
+        lines.append(f"history (since {when}, not the state now): "
                      + ("; ".join(history) if history else "no failures"))
     for event in status["events"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))

@@ -7,9 +7,12 @@ detached actors with restarts of their own, so serving goes on while the control
 replicas keep serving and callers keep their last view of the registry. A restarted controller
 adopts the replicas it finds (by name) and carries on.
 
-Each role actor asks Ray for the resources its role is given in the deploy file
-(``deploy/roles.toml``): custom resources or GPUs decide which nodes take which role; nothing in
-the code names a node. Each replica registers itself in the registry once it serves.
+Each replica registers itself in the registry once it serves. The controller's jobs, one module
+each: where and how a replica starts (``control.placement``), asking a replica whether it serves
+(``control.probing``; ``control.fleet`` says what the answers mean), what `epd status` reads
+(``control.status``), the Prometheus endpoint (``control.metrics``), the encoder autoscaler's loop
+(``control.autoscaler``, its policy in ``control.autoscale``). This module keeps the deployment's
+lifecycle, the reconcile loop and scaling with drains, and the driver side (create, stop, connect).
 
 The reconcile loop (every ``probe_interval_s``) probes every replica (``control.fleet`` says
 what each probe means): a replica that stops answering is marked unhealthy in the registry (its
@@ -22,39 +25,31 @@ and only then is it stopped. Shutting down drains the routers first (``drain_rou
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import ray
-from grpc_health.v1 import health_pb2
 
-from control.autoscale import AutoscalePolicy, Decision
-from control.fleet import DeploymentFailed, Fleet, Probe, StartFailures, unplaced  # noqa: F401 - DeploymentFailed for callers
-from epd import discovery, rpc
+from control import history, placement, status
+from control.autoscaler import Autoscaler
+from control.fleet import DeploymentFailed, Fleet, Probe, StartFailures  # noqa: F401 - DeploymentFailed for callers
+from control.metrics import ControllerMetrics
+from control.placement import REPLICA_NAME, ROLE_ACTORS, here, seq_of  # noqa: F401 - ROLE_ACTORS for callers
+from control.probing import Prober
+from epd import discovery
 from epd.config import ROLES, DeployConfig
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
-ROLE_ACTORS = {
-    "encoder": "encode_svc.engine:EncoderEngine",
-    "encode": "encode_svc.server:EncodeServer",
-    "prefill": "prefill_svc.server:PrefillServer",
-    "decode": "decode_svc.server:DecodeServer",
-    "router": "router_svc.server:RouterServer",
-}
-"""The class each role's replicas run as: every one takes ``(ServeConfig, RoleContext)``."""
-REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
-MAX_RESTARTS = 3
-"""Ray restarts a replica whose process died this many times; after that the controller replaces it."""
-STATUS_WAIT_S = 2.0
-"""How long `epd status` waits for a replica to say how much work it holds."""
+SERVING_LINE = "deployment ready"
+"""Starts the controller's log line once every role has its replicas serving (after their "joined" lines)."""
+MAX_RESTARTS = DeployConfig.max_restarts
+"""The default of ``DeployConfig.max_restarts`` (Ray restarts a dead replica's process this many
+times; after that the controller replaces it)."""
 
 
 class Controller:
@@ -65,7 +60,7 @@ class Controller:
         self.config = config
         self.registry = ray.remote(discovery.Registry).options(
             name=discovery.REGISTRY_NAME, lifetime="detached", get_if_exists=True, max_restarts=-1,
-            max_task_retries=-1, num_cpus=0, scheduling_strategy=_here()).remote()
+            max_task_retries=-1, num_cpus=0, scheduling_strategy=here()).remote(config.heartbeat_s)
         self.fleet = Fleet()
         self._registry_epoch = ("", 0.0)  # the registry's epoch, and when this controller first saw it
         self._handles: dict[str, ray.actor.ActorHandle] = {}
@@ -75,22 +70,34 @@ class Controller:
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._probes = ThreadPoolExecutor(8, thread_name_prefix="probe")
-        self._internal = rpc.internal_transport(config.serve.security)  # how the probes reach internal servers
-        self.decisions: list[dict] = []
+        self.prober = Prober(config)
         self.unplaced: list[dict] = []  # replicas Ray cannot place now, by role, with why (control.fleet.unplaced)
         self._fixed_ports_holder = ""  # the router given the configured --port / --http-port
-        # Replicas whose constructor raised (Ray does not restart those): name -> the error's last
-        # line. A role whose new replicas fail so ``max_start_failures`` times in a row will not
-        # get better by trying again: with none of it serving the deployment stops with why, else
-        # no more of it are started (``control.fleet.StartFailures``).
-        self._init_failed: dict[str, str] = {}
+        # A role whose new replicas' constructors raise (``Prober.init_failed``) ``max_start_failures``
+        # times in a row will not get better by trying again: with none of it serving the deployment
+        # stops with why, else no more of it are started (``control.fleet.StartFailures``).
         self._start_failures = StartFailures(config.max_start_failures)
         self.failed = ""  # why the deployment stopped itself ("" while it runs)
-        self.metrics = _Metrics(self._host_for_metrics(), config.metrics_port, self)
+        self._all_serving = threading.Event()  # set once the round that saw every role serving has logged it
         self._adopt()
+        # A restarted controller (it found the deployment's replicas) carries on the deployment's
+        # history and serves its metrics on the same port; a fresh deployment starts both anew.
+        saved = history.load(config.namespace) if self._handles else None
+        self.since, self.controller_starts = time.time(), 1
+        if saved:
+            self.fleet.restore(saved)
+            self.since, self.controller_starts = saved.get("since", self.since), saved.get("controller_starts", 0) + 1
+            self.fleet.note("controller", CONTROLLER_NAME, "restarted", "adopted the running replicas")
+            self._all_serving.set()  # it served before; `start` is for a new deployment
+        self.metrics = self._serve_metrics(config.metrics_port or (saved or {}).get("metrics_port", 0))
+        self._saved = None
+        self._save_history()
+        self.autoscaler = Autoscaler(config.autoscale, lambda: self._handles_of("encode"),
+                                     lambda: self.num_replicas("encoder"), lambda n: self._scale("encoder", n),
+                                     self.metrics, self._stop)
         self._threads = [threading.Thread(target=self._reconcile_loop, name="reconcile", daemon=True)]
         if config.autoscale.enabled:
-            self._threads.append(threading.Thread(target=self._autoscale_loop, name="autoscaler", daemon=True))
+            self._threads.append(threading.Thread(target=self.autoscaler.run, name="autoscaler", daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -99,7 +106,7 @@ class Controller:
     def start(self) -> list[str]:
         """Wait until every role has its replicas serving; returns the routers' addresses."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        while not all(self.fleet.healthy_count(role) >= self._desired[role] for role in ROLES):
+        while not self._all_serving.is_set():
             if self.failed:
                 raise DeploymentFailed(self.failed)
             for role, why in list(self._start_failures.holding.items()):
@@ -138,6 +145,7 @@ class Controller:
         ray.kill(self.registry, no_restart=True)
         self._probes.shutdown(wait=False)
         self.metrics.close()
+        history.forget(self.config.namespace)
 
     # ------------------------------------------------------------ queries
 
@@ -150,40 +158,25 @@ class Controller:
         return [e.http_address for e in self._routers() if e.http_address]
 
     def _routers(self) -> list[discovery.Endpoint]:
-        return sorted((e for e in self._endpoints() if e.role == "router" and e.takes_work), key=lambda e: _seq_of(e.name))
+        return sorted((e for e in self._endpoints() if e.role == "router" and e.takes_work), key=lambda e: seq_of(e.name))
 
     def status(self) -> dict:
-        """Replicas per role (name, address, node, health), their life events, autoscaling."""
-        roles: dict[str, list] = {role: [] for role in ROLES}
+        """Replicas per role (name, address, node, health), their life events, autoscaling (``control.status``)."""
         registered = {e.name: e for e in self._endpoints()}
-        node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         with self._lock:
             replicas = list(self.fleet.replicas.values())
-        waiting = {name for entry in self.unplaced if entry["count"] == len(entry["replicas"])
-                   for name in entry["replicas"]}
-        in_flight = self._work_in_flight()
-        kv = self._kv_usage()
-        for replica in replicas:
-            e = registered.get(replica.name)
-            roles[replica.role].append({
-                "name": replica.name, "address": e.address if e else "", "node_id": e.node_id if e else "",
-                "node_ip": node_ips.get(e.node_id, "") if e else "", "pid": e.pid if e else 0,
-                "http_address": e.http_address if e else "",
-                "draining": bool(e and e.draining), "healthy": replica.healthy,
-                "in_flight": in_flight.get(replica.name),
-                **({"kv": kv[replica.name]} if replica.name in kv else {}),
-                "state": "unplaced" if replica.name in waiting else _state(replica)})
-        counts = {role: {kind: self.fleet.count(role, kind) for kind in ("died", "restarted", "replaced", "unhealthy",
-                                                                              "recovered")}
-                  for role in ROLES}
-        return {"namespace": self.config.namespace, "time": time.time(), "roles": roles, "desired": dict(self._desired),
-                "metrics": self.metrics.address, "events": self.fleet.recent(100), "counts": counts,
-                "failed": self.failed, "not_replacing": dict(self._start_failures.holding),
-                "unplaced": list(self.unplaced),
-                "autoscale": {"enabled": self.config.autoscale.enabled,
-                              "min_replicas": self.config.autoscale.min_replicas,
-                              "max_replicas": self.config.autoscale.max_replicas},
-                "decisions": list(self.decisions[-50:])}
+            handles = dict(self._handles)
+        wait_s = self.config.status_wait_s
+        in_flight = status.work_in_flight(handles, wait_s)
+        kv = status.kv_usage(handles, wait_s)
+        report = status.report(self.config, self.fleet, replicas, registered, self._desired, self.unplaced,
+                               in_flight, kv, self.metrics.address, self.failed, self._start_failures.holding,
+                               self.autoscaler.decisions)
+        return {**report, "since": self.since, "controller_starts": self.controller_starts}
+
+    def _handles_of(self, role: str) -> list:
+        with self._lock:
+            return [h for n, h in self._handles.items() if n.startswith(role + "-")]
 
     def failure(self) -> str:
         """Why the deployment stopped itself ("" while it runs): `epd serve` watches this."""
@@ -211,7 +204,7 @@ class Controller:
         with self._role_locks[role]:
             with self._lock:
                 self._desired[role] = count
-                names = sorted((n for n, r in self.fleet.replicas.items() if r.role == role), key=_seq_of)
+                names = sorted((n for n, r in self.fleet.replicas.items() if r.role == role), key=seq_of)
             if count < len(names):
                 self._remove(role, names[count - len(names):])  # the newest go first
             else:
@@ -236,42 +229,11 @@ class Controller:
                 log.info("%s %s starting%s", role, name, f" (replaces {replaces})" if replaces else "")
 
     def _create(self, role: str, name: str) -> ray.actor.ActorHandle:
-        module, _, cls_name = ROLE_ACTORS[role].partition(":")
-        cls = getattr(importlib.import_module(module), cls_name)
-        cfg = self.config
-        # Detached: a replica outlives the controller (serving goes on while it is away). Ray
-        # restarts a dead process; callers retry elsewhere, so Ray must not retry tasks on it.
-        # SPREAD: Ray's default policy packs zero-CPU actors onto the first node that has their
-        # custom resources, so every replica of every role sat on one worker and losing that
-        # machine lost them all; SPREAD deals them out over the nodes that offer the resources.
-        options = {**getattr(cls, "ACTOR_OPTIONS", {}), **cfg.role_resources(role).ray_options(), "name": name,
-                   "lifetime": "detached", "max_restarts": MAX_RESTARTS, "max_task_retries": 0,
-                   "scheduling_strategy": "SPREAD"}
-        context = discovery.RoleContext(name=name, host=self._bind_host(role), registry=self.registry,
-                                        poll_s=cfg.poll_s)
-        serve = self._router_serve(name) if role == "router" else cfg.serve
-        return ray.remote(cls).options(**options).remote(serve, context)
-
-    def _router_serve(self, name: str):
-        """The config router ``name`` runs with: the configured gRPC, HTTP and metrics ports go to one
-        router at a time (the first, or the one that replaces it); every other router takes free gRPC
-        and HTTP ports and serves its metrics on its HTTP front's /metrics only."""
         serve = self.config.serve
-        if not serve.router.port and not serve.http.port and not serve.router.metrics_port:
-            return serve
-        if self._fixed_ports_holder not in self._handles:  # nobody holds them (never, or it died)
-            self._fixed_ports_holder = name
-            return serve
-        http = replace(serve.http, port=0) if serve.http.port is not None else serve.http
-        return replace(serve, router=replace(serve.router, port=0, metrics_port=0), http=http)
-
-    def _bind_host(self, role: str) -> str:
-        """Loopback on one machine; the node's IP on a cluster (roles on other nodes must reach
-        it). The router binds ``--host`` when one was given."""
-        router_host = self.config.serve.router.host
-        if role == "router" and (self.config.bind == "loopback" or router_host != "127.0.0.1"):
-            return router_host
-        return rpc.NODE_ADDRESS if self.config.bind == "node" else "127.0.0.1"
+        if role == "router":
+            serve, self._fixed_ports_holder = placement.router_serve(serve, name, self._fixed_ports_holder,
+                                                                     self._handles)
+        return placement.create(self.config, role, name, self.registry, serve)
 
     def _remove(self, role: str, names: list[str]) -> None:
         """Drain ``names``: no new work, every consumer has stopped picking them and has no call
@@ -301,49 +263,9 @@ class Controller:
         """Work the replica still holds: images queued for it at the Encoder services, or calls
         (and, for decode, requests) its server is still running."""
         if role == "encoder":
-            with self._lock:
-                services = [h for n, h in self._handles.items() if n.startswith("encode-")]
+            services = self._handles_of("encode")
             return sum(ray.get([s.outstanding.remote(name) for s in services], timeout=30))
         return ray.get(self._handles[name].in_flight.remote(), timeout=30)
-
-    def _work_in_flight(self) -> dict[str, int]:
-        """The requests each replica works on now (an encoder's: images queued for it or running),
-        asked of every replica at once; one that does not answer within ``STATUS_WAIT_S`` is left out."""
-        with self._lock:
-            handles = dict(self._handles)
-        services = [h for n, h in handles.items() if n.startswith("encode-")]
-        asked: dict[str, list] = {}
-        for name, handle in handles.items():
-            asked[name] = ([s.outstanding.remote(name) for s in services] if name.startswith("encoder-")
-                           else [handle.requests.remote()])
-        refs = [ref for parts in asked.values() for ref in parts]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_WAIT_S)
-        answered = set(ready)
-        found: dict[str, int] = {}
-        for name, parts in asked.items():
-            if not all(ref in answered for ref in parts):
-                continue
-            try:
-                found[name] = sum(ray.get(parts, timeout=0))
-            except Exception:  # noqa: BLE001 - restarting or gone: status says nothing of its work
-                pass
-        return found
-
-    def _kv_usage(self) -> dict[str, dict]:
-        """Each decode replica's K/V pool now (``DecodeServer.kv_usage``), asked of all at once;
-        one that does not answer within ``STATUS_WAIT_S`` is left out."""
-        with self._lock:
-            refs = {name: handle.kv_usage.remote() for name, handle in self._handles.items()
-                    if name.startswith("decode-")}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_WAIT_S)
-        found = {}
-        for name, ref in refs.items():
-            if ref in ready:
-                try:
-                    found[name] = ray.get(ref, timeout=0)
-                except Exception:  # noqa: BLE001 - restarting or gone: status says nothing of its memory
-                    pass
-        return found
 
     def _kill(self, name: str, reason: str = "") -> None:
         with self._lock:
@@ -384,7 +306,7 @@ class Controller:
                 except ValueError:
                     continue
                 self.fleet.add(name, role, time.monotonic())
-                seq = max(seq, _seq_of(name) + 1)
+                seq = max(seq, seq_of(name) + 1)
             if names:
                 self._desired[role] = len(names)
         self._seq = itertools.count(seq)
@@ -403,7 +325,7 @@ class Controller:
         view = ray.get(self.registry.snapshot.remote(), timeout=30)
         if view.epoch != self._registry_epoch[0]:
             self._registry_epoch = (view.epoch, time.monotonic())
-        refilling = time.monotonic() - self._registry_epoch[1] < discovery.REFILL_GRACE_S
+        refilling = time.monotonic() - self._registry_epoch[1] < self.config.refill_grace_s
         with self._lock:
             known = sum(r.registered for r in self.fleet.replicas.values())
         if (view.warming or refilling) and len(view.endpoints) < known:
@@ -411,7 +333,7 @@ class Controller:
         endpoints = {e.name: e for e in view.endpoints}
         with self._lock:
             names = list(self._handles.items())
-        probes = list(self._probes.map(lambda item: self._probe(item[0], item[1], endpoints.get(item[0])), names))
+        probes = list(self._probes.map(lambda item: self.prober.probe(item[0], item[1], endpoints.get(item[0])), names))
         for (name, _), probe in zip(names, probes):
             endpoint = endpoints.get(name)
             with self._lock:
@@ -429,7 +351,7 @@ class Controller:
                 self.registry.mark.remote(name, reachable, endpoint.incarnation)
             if probe is Probe.DEAD:
                 role, dead_at = name.rsplit("-", 1)[0], time.monotonic()
-                reason = self._init_failed.pop(name, "")
+                reason = self.prober.init_failed.pop(name, "")
                 self._kill(name, reason=f"its constructor failed: {reason}" if reason else "")
                 if reason:
                     action, why = self._start_failures.failed(role, reason, self.fleet.healthy_count(role))
@@ -453,6 +375,34 @@ class Controller:
                     self._role_locks[role].release()
         self._find_unplaced()
         self.metrics.refresh()
+        self._save_history()
+        if not self._all_serving.is_set() and all(self.fleet.healthy_count(r) >= self._desired[r] for r in ROLES):
+            # Logged by this thread after the round's "joined" lines, so an operator's log (and
+            # `epd serve`, which prints "epd ready" once Ray has forwarded this line) has them first.
+            log.info("%s: every role serving (%s)", SERVING_LINE,
+                     ", ".join(f"{role} {self.fleet.healthy_count(role)}" for role in ROLES))
+            self._all_serving.set()
+
+    def _save_history(self) -> None:
+        """Keep the history and the metrics port in Ray's GCS (``control.history``) when they changed."""
+        state = {"since": self.since, "controller_starts": self.controller_starts,
+                 "metrics_port": int(self.metrics.address.rsplit(":", 1)[1]), **self.fleet.history()}
+        if state != self._saved:
+            history.save(self.config.namespace, state)
+            self._saved = state
+
+    def _serve_metrics(self, port: int) -> ControllerMetrics:
+        """The Prometheus endpoint on ``port`` (0: a free one). The port a previous controller of the
+        deployment had may be taken by now: then a free one, said in the log."""
+        host = self._host_for_metrics()
+        try:
+            return ControllerMetrics(host, port, self)
+        except OSError as error:
+            if port == self.config.metrics_port:
+                raise
+            log.warning("controller metrics: cannot listen on %s:%d again (%s); on a new port", host, port,
+                        error.strerror or error)
+            return ControllerMetrics(host, 0, self)
 
     def _give_up(self, reason: str) -> None:
         """Stop reconciling and replacing: the deployment has stopped itself. `epd serve` sees it
@@ -462,171 +412,18 @@ class Controller:
         log.error("deployment stopped: %s", reason)
 
     def _find_unplaced(self) -> None:
-        """While replicas are not serving, ask Ray's GCS what it cannot place (a lost machine was
-        the only one offering a role's resources, or the remaining ones have them all in use) and
-        say so in the log and ``epd status``. Ray keeps such a replica pending and places it when
-        a node offers the resources; nothing else would tell the user it waits."""
+        """While replicas are not serving, what Ray cannot place, for the log and ``epd status``
+        (``control.placement.find_unplaced``)."""
         with self._lock:
             waiting = {role: [r.name for r in self.fleet.replicas.values() if r.role == role and not r.healthy]
                        for role in ROLES}
-        found: list[dict] = []
-        if any(waiting.values()):
-            try:
-                found = unplaced(_pending_demands(), {role: self._shape(role) for role in ROLES}, waiting,
-                                 [n["Resources"] for n in ray.nodes() if n["Alive"]])
-            except Exception as error:  # noqa: BLE001 - a report only; try again next round
-                log.warning("cannot read Ray's pending demands: %s", error)
-                return
-        if found != self.unplaced:
-            for entry in found:
-                log.warning("%s: %d replica(s) cannot be placed (of %s, not serving): %s", "/".join(entry["roles"]),
-                            entry["count"], ", ".join(entry["replicas"]), entry["reason"])
-            if not found:
-                log.info("every replica is placed")
-            self.unplaced = found
-
-    def _shape(self, role: str) -> dict[str, float]:
-        """What one replica of ``role`` asks Ray for, as Ray's pending demands spell it."""
-        resources = self.config.role_resources(role)
-        return {**({"CPU": resources.num_cpus} if resources.num_cpus else {}),
-                **({"GPU": resources.num_gpus} if resources.num_gpus else {}), **resources.resources}
-
-    def _probe(self, name: str, handle, endpoint: discovery.Endpoint | None) -> Probe:
-        """The serving path where there is one (gRPC health), else a call through Ray; when that
-        fails, Ray tells whether the actor is gone for good."""
-        if endpoint is not None and endpoint.address:
-            status = self._health_status(name, handle, endpoint.address)
-            if status is not None:
-                return Probe.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Probe.NOT_SERVING
-        try:
-            ray.get(handle.ping.remote(), timeout=self.config.probe_timeout_s)
-        except ray.exceptions.ActorDiedError as error:
-            if getattr(error, "actor_init_failed", False):
-                self._init_failed[name] = _last_line(getattr(error, "error_msg", "") or str(error))
-            return Probe.DEAD
-        except Exception:  # noqa: BLE001 - restarting, still loading, or wedged
-            return Probe.UNREACHABLE
-        return Probe.SERVING if endpoint is not None and not endpoint.address else Probe.UNREACHABLE
-
-    def _health_status(self, name: str, handle, address: str) -> int | None:
-        """grpc.health.v1 of the replica's server. A router with a public TLS certificate is asked
-        through Ray instead (its health computed on its serving loop): the controller holds no CA
-        for the public certificate."""
-        if not name.startswith("router-"):
-            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s, transport=self._internal)
-        if not self.config.serve.security.tls_cert:
-            return rpc.health_status(address, timeout_s=self.config.probe_timeout_s)
-        try:
-            serving = ray.get(handle.health.remote(), timeout=self.config.probe_timeout_s)
-        except Exception:  # noqa: BLE001 - unreachable: the Ray call below tells dead from restarting
-            return None
-        return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.unplaced = placement.find_unplaced(self.config, waiting, self.unplaced)
 
     def _endpoints(self) -> list[discovery.Endpoint]:
         return ray.get(self.registry.snapshot.remote(), timeout=30).endpoints
 
-    # ------------------------------------------------------------ autoscaling
-
-    def _autoscale_loop(self) -> None:
-        cfg = self.config.autoscale
-        policy = AutoscalePolicy(cfg, time.monotonic())
-        while not self._stop.wait(cfg.interval_s):
-            try:
-                with self._lock:
-                    services = [h for n, h in self._handles.items() if n.startswith("encode-")]
-                queued = sum(q for q, _ in ray.get([s.load.remote() for s in services], timeout=30))
-                current = self.num_replicas("encoder")
-                decision = policy.decide(current, queued, time.monotonic())
-                self.metrics.observe(decision, policy.desired(queued))
-                if decision.direction != "hold":
-                    self._record(decision)
-                    self._scale("encoder", decision.target)
-            except Exception:  # noqa: BLE001 - one failed look must not stop autoscaling
-                log.exception("autoscaler step failed")
-
-    def _record(self, decision: Decision) -> None:
-        entry = {"time": time.time(), "from": decision.current, "to": decision.target,
-                 "direction": decision.direction, "queued": decision.queued, "reason": decision.reason}
-        self.decisions.append(entry)
-        del self.decisions[:-1000]
-        log.info("autoscale encoders %d -> %d: %s", decision.current, decision.target, decision.reason)
-        self.metrics.decision(decision)
-
     def _host_for_metrics(self) -> str:
         return ray.util.get_node_ip_address() if self.config.bind == "node" else "127.0.0.1"
-
-
-def _last_line(text: str) -> str:
-    """The exception line of a Ray task error's text (its traceback comes before it)."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else text
-
-
-def _state(replica) -> str:
-    if not replica.registered:
-        return "starting"
-    return "serving" if replica.healthy else replica.last_probe
-
-
-def _pending_demands() -> list[tuple[dict[str, float], int]]:
-    """What Ray's GCS has not placed yet, as it reports it to an autoscaler: (shape, count)."""
-    from ray.autoscaler.v2.sdk import get_cluster_resource_state
-
-    state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
-    return [(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
-
-
-def _seq_of(name: str) -> int:
-    return int(name.rsplit("-", 1)[1])
-
-
-class _Metrics:
-    """The controller's Prometheus endpoint: replicas per role and their health, their deaths,
-    restarts and replacements, and every autoscaling decision."""
-
-    def __init__(self, host: str, port: int, controller: Controller) -> None:
-        import prometheus_client as prom
-
-        self.controller = controller
-        self.registry = prom.CollectorRegistry()
-        self._replicas = prom.Gauge("epd_replicas", "Replicas of each role", ["role"], registry=self.registry)
-        self._healthy = prom.Gauge("epd_replicas_healthy", "Replicas of each role serving now", ["role"],
-                                   registry=self.registry)
-        self._events = prom.Gauge("epd_replica_events", "Replica life events since the controller started, by "
-                                  "kind (died, restarted, replaced, unhealthy, recovered)", ["role", "kind"],
-                                  registry=self.registry)
-        self._unplaced = prom.Gauge("epd_replicas_unplaced", "Replicas Ray cannot place now (no alive node has "
-                                    "their resources free); a role sharing its resource shape with another "
-                                    "counts them too", ["role"], registry=self.registry)
-        self._desired = prom.Gauge("epd_encoder_replicas_desired", "Encoder replicas the load asks for",
-                                   registry=self.registry)
-        self._queued = prom.Gauge("epd_encoder_images_in_flight", "Images queued or running at the encoders",
-                                  registry=self.registry)
-        self._decisions = prom.Counter("epd_autoscale_decisions", "Encoder autoscaling decisions", ["direction"],
-                                       registry=self.registry)
-        self._server, _ = prom.start_http_server(port, addr=host, registry=self.registry)
-        self.address = f"{host}:{self._server.server_port}"
-
-    def refresh(self) -> None:
-        fleet = self.controller.fleet
-        for role in ROLES:
-            self._replicas.labels(role=role).set(self.controller.num_replicas(role))
-            self._healthy.labels(role=role).set(fleet.healthy_count(role))
-            for kind in ("died", "restarted", "replaced", "unhealthy", "recovered"):
-                self._events.labels(role=role, kind=kind).set(fleet.count(role, kind))
-            waiting = sum(e["count"] for e in self.controller.unplaced if role in e["roles"])
-            self._unplaced.labels(role=role).set(waiting)
-
-    def observe(self, decision: Decision, desired: int) -> None:
-        self._desired.set(desired)
-        self._queued.set(decision.queued)
-
-    def decision(self, decision: Decision) -> None:
-        self._decisions.labels(direction=decision.direction).inc()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 # ---------------------------------------------------------------- driver side
@@ -634,22 +431,10 @@ class _Metrics:
 
 def controller_options(namespace: str, detached: bool) -> dict:
     options = {"name": CONTROLLER_NAME, "namespace": namespace, "num_cpus": 0, "max_concurrency": 16,
-               "max_restarts": -1, "scheduling_strategy": _here()}
+               "max_restarts": -1, "scheduling_strategy": here()}
     if detached:
         options["lifetime"] = "detached"
     return options
-
-
-def _here():
-    """The control plane (controller, registry) stays on the node that deployed it: the head,
-    where docs/DEPLOY.md runs `epd deploy`. Left to Ray, these zero-resource actors land on any
-    node, a worker included (seen in tests/test_node_loss.py), and losing that machine would take
-    the controller and the registry along with its replicas. Hard affinity: Ray's soft node
-    affinity placed them on other nodes too; the price is that they cannot move if that node is
-    lost, which for the head means the cluster (Ray's GCS) is lost anyway."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def create_controller(config: DeployConfig, detached: bool) -> ray.actor.ActorHandle:

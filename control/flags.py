@@ -106,6 +106,29 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--replica-wait-s", "serve.replica_wait_s"),
     _flag("--drain-timeout-s", "drain_timeout_s"),
     _flag("--scale-drain-timeout-s", "scale_drain_timeout_s"),
+    # tunables of the machinery (docs/OPERATIONS.md "Tunables"); the defaults suit most deployments
+    _flag("--max-resumes", "serve.router.max_resumes"),
+    _flag("--reserve-hold-s", "serve.decode.reserve_hold_s"),
+    _flag("--encoder-gpu-batch-patches", "serve.encode.gpu_batch_patches"),
+    _flag("--encoder-concurrency", "serve.encode.actor_concurrency"),
+    _flag("--encode-lease-s", "serve.encode.lease_s"),
+    _flag("--encode-lease-wait-s", "serve.encode.lease_wait_s"),
+    _flag("--store-timeout-s", "serve.store.timeout_s"),
+    _flag("--store-breaker-base-s", "serve.store.breaker_base_s"),
+    _flag("--store-breaker-max-s", "serve.store.breaker_max_s"),
+    _flag("--keepalive-s", "serve.rpc.keepalive_s"),
+    _flag("--max-message-mb", "serve.rpc.max_message_mb"),
+    _flag("--internal-max-concurrent-rpcs", "serve.rpc.max_concurrent_rpcs"),
+    _flag("--router-max-concurrent-rpcs", "serve.router.max_concurrent_rpcs"),
+    _flag("--executor-threads", "serve.rpc.executor_threads"),
+    _flag("--max-restarts", "max_restarts"),
+    _flag("--heartbeat-s", "heartbeat_s"),
+    _flag("--refill-grace-s", "refill_grace_s"),
+    _flag("--status-wait-s", "status_wait_s"),
+    _flag("--probe-interval-s", "probe_interval_s"),
+    _flag("--probe-timeout-s", "probe_timeout_s"),
+    _flag("--max-start-failures", "max_start_failures"),
+    _flag("--start-timeout-s", "start_timeout_s"),
 )
 HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--http-port", "serve.http.port"),
@@ -120,7 +143,7 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--http-max-open-requests", "serve.http.max_open_requests"),
 )
 SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
-         _flag("--num-gpus", "local_gpus"), *STACK, *SECURITY, *HTTP)
+         _flag("--num-gpus", "local_gpus"), _flag("--metrics-port", "metrics_port"), *STACK, *SECURITY, *HTTP)
 DEPLOY = (
     MODEL, _flag("--redis", "serve.store.redis_url", required=True, metavar="URL",
                  help="Redis every node can reach: redis://[:PASSWORD@]HOST:PORT/DB (rediss:// for TLS)"),

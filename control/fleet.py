@@ -122,6 +122,23 @@ class Fleet:
     def recent(self, limit: int = 100) -> list[dict]:
         return [asdict(e) for e in list(self.events)[-limit:]]
 
+    def history(self) -> dict:
+        """The events and their counts, as JSON (``control.history`` keeps them across a
+        controller restart)."""
+        return {"events": self.recent(self.events.maxlen or len(self.events)),
+                "counts": [[role, kind, n] for (role, kind), n in sorted(self.counts.items())]}
+
+    def restore(self, history: dict) -> None:
+        """Carry on the ``history`` a previous controller of the deployment kept."""
+        self.events.extend(Event(**event) for event in history.get("events", []))
+        for role, kind, n in history.get("counts", []):
+            self.counts[(role, kind)] += n
+
+    def note(self, role: str, name: str, kind: str, detail: str = "") -> None:
+        """An event of the deployment itself (the controller restarted), not of a replica."""
+        self.events.append(Event(time.time(), role, name, kind, 0.0, detail))
+        self.counts[(role, kind)] += 1
+
     def _event(self, now: float, replica: Replica, kind: str, seconds: float = 0.0, detail: str = "") -> None:
         self.events.append(Event(time.time(), replica.role, replica.name, kind, round(seconds, 3), detail))
         self.counts[(replica.role, kind)] += 1

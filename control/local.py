@@ -63,7 +63,7 @@ class LocalStack:
         # and match it under contention. Role processes inherit it from the raylet this starts.
         os.environ.setdefault("GOMP_SPINCOUNT", "3000")
         quiet_ray_output()
-        from control.controller import create_controller
+        from control.controller import SERVING_LINE, create_controller
 
         try:
             self._start_ray()
@@ -71,7 +71,15 @@ class LocalStack:
             store = replace(self.config.store, redis_url=self.redis_url)
             deploy = replace(self.deploy, serve=replace(self.config, store=store))
             deploy = self._with_gpus(deploy)
-            self.controller = create_controller(deploy, detached=False)  # returns once every role serves
+            forwarded = OutputWatch(SERVING_LINE)
+            try:
+                self.controller = create_controller(deploy, detached=False)  # returns once every role serves
+                # What the caller prints next ("epd ready at ...") comes after the roles' "joined"
+                # lines: the controller logs SERVING_LINE after them, and Ray forwards its lines in order.
+                if logging.getLevelName(os.environ.get(logs.LEVEL_ENV, "INFO")) <= logging.INFO:
+                    forwarded.wait(READY_LOG_WAIT_S)
+            finally:
+                forwarded.close()
             self.addresses["router"] = self.router_addresses()[0]
             return self.addresses["router"]
         except BaseException:
@@ -234,6 +242,41 @@ def json_worker_output() -> None:
     if any(name == "ray_print_logs" for name, _ in dispatcher.handlers):
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", emit)  # same name: muting at exit still finds it
+
+
+READY_LOG_WAIT_S = 10.0
+"""The longest `epd serve` waits for Ray to forward the controller's ready line (within a second,
+usually) before it says it is ready."""
+
+
+class OutputWatch:
+    """Sets ``wait``'s event once a line Ray forwards to this driver contains ``text``; Ray's own
+    handler has printed that line by then (handlers run in the order they were added)."""
+
+    NAME = "epd_watch_output"
+
+    def __init__(self, text: str) -> None:
+        self._seen = threading.Event()
+        self._text = text
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:  # another Ray layout: nothing to wait for
+            self._seen.set()
+            self._dispatcher = None
+            return
+        self._dispatcher = dispatcher
+        dispatcher.add_handler(self.NAME, self._look)
+
+    def _look(self, data) -> None:
+        if not self._seen.is_set() and any(self._text in line for line in data.get("lines", [])):
+            self._seen.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._seen.wait(timeout_s)
+
+    def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.remove_handler(self.NAME)
 
 
 def _mute_worker_output_at_exit() -> None:

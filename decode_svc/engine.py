@@ -68,16 +68,14 @@ class DecodeEngine:
 
     # ------------------------------------------------------------ called by the server's threads
 
-    RESERVE_HOLD_S = 10.0  # a place reserved ahead of a handoff is kept this long for it
-
     def check_handoff(self, request_id: str, prompt_len: int, max_tokens: int, num_generated: int) -> None:
         """Before a handoff's bytes arrive (``Reserve``, or the handoff's header): ValueError if it
         could never fit this worker's K/V pool, ``errors.ResourceExhausted`` if the waiting queue
         is full (``DecodeScheduler.check_handoff``); otherwise its place is held until ``submit``,
-        ``release`` or ``RESERVE_HOLD_S``."""
+        ``release`` or ``decode.reserve_hold_s``."""
         with self._lock:
             self.scheduler.check_handoff(request_id, prompt_len, max_tokens, num_generated, time.monotonic(),
-                                         self.RESERVE_HOLD_S)
+                                         self.config.reserve_hold_s)
 
     def release(self, request_id: str) -> None:
         with self._lock:

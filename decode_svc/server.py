@@ -125,6 +125,7 @@ class DecodeServer(rpc.RoleServer):
     """Hosts the Decode service in its own process (a Ray actor the controller makes)."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         config = serve.decode
         configure_threads(config.num_threads, config.cpus)
         info = ModelInfo.load(serve.model_dir)

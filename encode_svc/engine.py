@@ -3,7 +3,7 @@
 A replica decodes the image bytes, resizes and patches them (the CPU-heavy preprocessing lives
 here so it scales with the replicas, not in the router), runs the ViT with its 2x2 merge and
 writes ``[num_tokens, hidden]`` embeddings to the store under the key the router chose. The
-launcher wraps this class in ``ray.remote`` (with ``ACTOR_OPTIONS``); it knows nothing about gRPC.
+launcher wraps this class in ``ray.remote`` (with ``actor_options``); it knows nothing about gRPC.
 
 Batching: the actor takes several ``encode`` calls at once (a threaded actor). Each call
 preprocesses its own image in its own thread, then queues the patches for the one batching
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging, kernels, limits, video
+from epd import checkpoint, errors, imaging, kernels, limits, rpc, video
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -65,10 +65,13 @@ class _Job:
 
 
 class EncoderEngine:
-    # How launchers create the actor: enough concurrent calls for images to queue up and batch.
-    ACTOR_OPTIONS = {"max_concurrency": 64}
+    @staticmethod
+    def actor_options(serve: ServeConfig) -> dict:
+        """How launchers create the actor: enough concurrent calls for images to queue up and batch."""
+        return {"max_concurrency": serve.encode.actor_concurrency}
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         config = serve.encode
         configure_threads(config.num_threads, config.cpus)
         self.name = context.name
@@ -81,8 +84,10 @@ class EncoderEngine:
         self.settings = info.image_settings(config.max_decoded_pixels)
         self.video_settings = info.video_settings()
         self.video_limits = limits.VideoLimits()
-        self.store = EmbeddingStore(serve.store.redis_url, ttl_s=serve.store.ttl_s)
-        self.max_batch_patches = config.max_batch_patches or (16384 if weight.device.type == "cuda" else 1)
+        self.store = EmbeddingStore.from_config(serve.store)
+        self.max_batch_patches = config.max_batch_patches or (config.gpu_batch_patches if weight.device.type == "cuda"
+                                                              else 1)
+        self.lease_s, self.max_wait_s = config.lease_s, config.lease_wait_s
         self.num_encoded = 0
         self.num_joined = 0  # images another replica held the lease of: its result answered them
         self.num_batches = 0
@@ -109,9 +114,7 @@ class EncoderEngine:
     def ping(self) -> bool:
         return True
 
-    LEASE_S = 5.0  # an encode lease's expiry; the holder pushes it ahead every LEASE_S / 3 while it works
     WAIT_POLL_S = 0.05  # how often an image whose encode another replica holds looks for the result
-    MAX_WAIT_S = 300.0
 
     def encode(self, store_key: str, data: bytes, max_pixels: int, inline: bool = False,
                video_chunk: tuple | None = None) -> EncodeResult:
@@ -123,7 +126,7 @@ class EncoderEngine:
         the image's lease in the store (``EmbeddingStore.take_lease``). When another replica, of
         any Encoder service, holds it, this one waits for that replica's result to appear in the
         store and answers with it (``encode_s`` is the wait, nothing is computed); when the lease
-        goes without a result (its holder died: the lease expires within ``LEASE_S``) it tries to
+        goes without a result (its holder died: the lease expires within ``encode.lease_s``) it tries to
         take it itself. With ``inline`` (the store is out of reach) it encodes at once.
 
         ``video_chunk`` ``(fps, max_frames, max_pixels, first_patch, num_patches)``: ``data`` is a clip and
@@ -146,13 +149,13 @@ class EncoderEngine:
         else the result another replica published."""
         start = time.perf_counter()
         try:
-            while time.perf_counter() - start < self.MAX_WAIT_S:
+            while time.perf_counter() - start < self.max_wait_s:
                 (found,) = self.store.get_many([store_key])
                 if found is not None:
                     self.num_joined += 1
                     return EncodeResult(store_key=store_key, num_tokens=found.tensor.shape[0],
                                         grid_thw=tuple(found.grid_thw), encode_s=time.perf_counter() - start)
-                if self.store.take_lease(store_key, self.name, self.LEASE_S):
+                if self.store.take_lease(store_key, self.name, self.lease_s):
                     return None
                 time.sleep(self.WAIT_POLL_S)
         except StoreUnavailable:
@@ -163,9 +166,9 @@ class EncoderEngine:
         done = threading.Event()
 
         def renew() -> None:
-            while not done.wait(self.LEASE_S / 3):
+            while not done.wait(self.lease_s / 3):
                 with contextlib.suppress(StoreUnavailable):
-                    self.store.renew_lease(store_key, self.name, self.LEASE_S)
+                    self.store.renew_lease(store_key, self.name, self.lease_s)
 
         threading.Thread(target=renew, name="encode-lease", daemon=True).start()
         return done

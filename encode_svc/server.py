@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 
@@ -29,8 +30,6 @@ class ReplicaPool:
     """Which replica encodes which image, on the service's event loop. Bookkeeping (least busy,
     breakers, draining) is the ``Balancer``'s; this adds the single flight per key and the retry
     on another replica."""
-
-    WAIT_POLL_S = 0.2
 
     def __init__(self, max_queued_per_replica: int = 0, wait_s: float = 0.0) -> None:
         self.balancer = discovery.Balancer("encoder")
@@ -82,16 +81,9 @@ class ReplicaPool:
 
     async def _encode_somewhere(self, item: epd_pb2.EncodeItem) -> EncodeResult:
         tried: dict[str, str] = {}  # name -> the incarnation that failed this image
-        give_up = asyncio.get_running_loop().time() + self.wait_s
+        give_up = time.monotonic() + self.wait_s  # none left: wait for a restarted one (the caller's deadline bounds it)
         while True:
-            try:
-                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
-            except errors.Unavailable:  # none left: wait for a restarted one (the caller's deadline bounds it)
-                left = give_up - asyncio.get_running_loop().time()
-                if left <= 0:
-                    raise
-                await asyncio.sleep(min(self.WAIT_POLL_S, left))
-                continue
+            name, endpoint = await self.balancer.pick_or_wait(tried, give_up)
             ok = None
             try:
                 if self.balancer.suspect(name) and not await _answers(endpoint.handle):
@@ -178,9 +170,10 @@ class EncodeServer(rpc.RoleServer):
     SERVING while at least one replica takes work."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         self.pool = ReplicaPool(serve.encode.max_queued_per_replica, serve.replica_wait_s)
         self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
-                                              context.poll_s, self.pool.balancer.outstanding)
+                                              context.poll_s, self.pool.balancer.outstanding, context.refill_grace_s)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
                     context.host, rpc.internal_transport(serve.security),
                     healthy=lambda: self.pool.balancer.num_available() > 0)

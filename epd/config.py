@@ -75,16 +75,27 @@ class StoreConfig:
     max_memory_mb: int = 1024
     """Memory cap of the embedded Redis in MiB, evicting least-recently-used entries past it (an
     external Redis keeps its own maxmemory; set maxmemory-policy allkeys-lru there)."""
+    timeout_s: float = 2.0
+    """Seconds one Redis call (and a connection attempt) may take before it counts as a failure."""
+    breaker_base_s: float = 0.25
+    """After a failed Redis call, calls fail at once (embeddings travel inline instead) for this long,
+    doubling while the trial calls keep failing."""
+    breaker_max_s: float = 5.0
+    """The longest that back-off grows to: a Redis that is back is used again within this."""
 
     def __post_init__(self) -> None:
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "store.redis_url", f"must start with redis://, rediss:// or unix://, got {redact_url(self.redis_url)!r}")
         _check_range(self.ttl_s, 1, 30 * 86400, "store.ttl_s")
         _check_range(self.max_memory_mb, 16, 1 << 20, "store.max_memory_mb")
+        _check_range(self.timeout_s, 0.01, 600, "store.timeout_s")
+        _check_range(self.breaker_base_s, 0.01, 3600, "store.breaker_base_s")
+        _check_range(self.breaker_max_s, self.breaker_base_s, 3600, "store.breaker_max_s")
 
     def __repr__(self) -> str:  # the URL's password never reaches a log, an error or a report
         return (f"StoreConfig(redis_url={redact_url(self.redis_url) if self.redis_url else None!r}, "
-                f"ttl_s={self.ttl_s!r}, max_memory_mb={self.max_memory_mb!r})")
+                f"ttl_s={self.ttl_s!r}, max_memory_mb={self.max_memory_mb!r}, timeout_s={self.timeout_s!r}, "
+                f"breaker_base_s={self.breaker_base_s!r}, breaker_max_s={self.breaker_max_s!r})")
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,23 @@ class EncodeConfig:
     """Images an Encoder service lets queue or run per encoder replica taking work; a request whose
     new images would go past it is refused with RESOURCE_EXHAUSTED. High enough that a burst queues
     while the autoscaler adds replicas (its signal is that queue); 0: no limit."""
+    gpu_batch_patches: int = 16384
+    """The patch budget of one vision forward on a GPU when max_batch_patches is 0."""
+    actor_concurrency: int = 64
+    """Calls one encoder replica runs at once (Ray's max_concurrency of its actor): enough for
+    images to queue up inside it and be batched; more wait in Ray."""
+    lease_s: float = 5.0
+    """An encode lease's expiry (one vision forward per image across replicas: the holder renews it
+    every lease_s / 3 while it works; a dead holder's image is taken over this long after)."""
+    lease_wait_s: float = 300.0
+    """The longest an image whose encode another replica holds waits for that result before it is
+    encoded here anyway."""
 
     def __post_init__(self) -> None:
+        _check_range(self.gpu_batch_patches, 1, 1 << 24, "encode.gpu_batch_patches")
+        _check_range(self.actor_concurrency, 1, 4096, "encode.actor_concurrency")
+        _check_range(self.lease_s, 0.1, 3600, "encode.lease_s")
+        _check_range(self.lease_wait_s, 0, 86400, "encode.lease_wait_s")
         _check_range(self.max_queued_per_replica, 0, 1 << 20, "encode.max_queued_per_replica")
         _check_range(self.max_batch_patches, 0, 1 << 24, "encode.max_batch_patches")
         _check(self.dtype in DTYPE_CHOICES, "encode.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
@@ -215,9 +241,12 @@ class DecodeConfig(LMConfig):
     0: no wait (tokens already waiting still go together)."""
     metrics_port: int = 0
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
+    reserve_hold_s: float = 10.0
+    """A place reserved for a handoff (Decode.Reserve) is kept this long for it, then given back."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_range(self.reserve_hold_s, 0.1, 3600, "decode.reserve_hold_s")
         _check_range(self.stream_group_s, 0, 1, "decode.stream_group_s")
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
@@ -268,9 +297,13 @@ class RouterConfig:
     allow_special_tokens: bool = False
     """Trusted callers only: control tokens in request text (<|im_start|>, <|im_end|>, ...) are
     tokenized as the tokens they name instead of as plain text, so a caller can write turns itself."""
+    max_resumes: int = 8
+    """A request whose decode worker died is resumed on another (a prefill of its prompt and answer
+    so far) at most this many times; once more fails it with UNAVAILABLE. Preemptions do not count."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
+        _check_range(self.max_resumes, 0, 1000, "router.max_resumes")
         _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
         _check_range(self.video_chunk_patches, 1, 4096, "router.video_chunk_patches")
         _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
@@ -281,6 +314,35 @@ class RouterConfig:
         _check_range(self.max_model_len, 0, 1 << 24, "router.max_model_len")
         _check_range(self.request_timeout_s, 1, 86400, "router.request_timeout_s")
         _check_range(self.metrics_port, 0, 65535, "router.metrics_port")
+
+
+@dataclass(frozen=True)
+class RpcConfig:
+    """The gRPC hops between roles, in every role's process (channels and servers alike)."""
+
+    keepalive_s: float = 5.0
+    """Every connection (both ends) pings its peer this often and drops it when the answer takes as
+    long again: a call to (or a stream from) a lost machine fails with UNAVAILABLE within about
+    twice this and is retried elsewhere, instead of hanging until its deadline."""
+    max_message_mb: int = 256
+    """Largest message on a hop between roles, in MiB (a handoff chunk, an inline embedding, the
+    images of a request). The public Router service has its own, smaller cap (router.max_request_mb)."""
+    max_concurrent_rpcs: int = 4096
+    """Calls one internal gRPC server (Encoder service, prefill, decode) runs at once; more are
+    refused by gRPC with RESOURCE_EXHAUSTED. A ceiling on memory: the queues behind bound the work."""
+    executor_threads: int = 16
+    """Threads of each role server's blocking-work pool (tokenizing, Redis round trips, tensor
+    building off the event loop)."""
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check_range(self.keepalive_s, 1, 3600, "rpc.keepalive_s")
+        _check_range(self.max_message_mb, 1, 2047, "rpc.max_message_mb")
+        _check_range(self.max_concurrent_rpcs, 1, 1 << 20, "rpc.max_concurrent_rpcs")
+        _check_range(self.executor_threads, 1, 1024, "rpc.executor_threads")
 
 
 @dataclass(frozen=True)
@@ -399,6 +461,7 @@ class ServeConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    rpc: RpcConfig = field(default_factory=RpcConfig)
     replica_wait_s: float = 30.0
     """How long a call waits for a replica of the role it needs when none is left (the only one
     died and Ray is restarting it): the router's calls to every role, prefill's handoffs, the
@@ -539,7 +602,8 @@ class DeployConfig:
     """Ray resources per role (see ``deploy/roles.toml``)."""
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     metrics_port: int = 0
-    """Port of the controller's Prometheus endpoint; 0 picks a free one."""
+    """Port of the controller's Prometheus endpoint; 0 picks a free one (kept across a restart of
+    the controller)."""
     poll_s: float = 0.25
     """How often a role re-reads the registry for replicas that joined or left."""
     drain_timeout_s: float = 30.0
@@ -561,8 +625,24 @@ class DeployConfig:
     """A role whose new replicas' constructors fail this many times in a row (none joining in
     between: a wrong checkpoint, a missing file) is not replaced forever: with none of it serving
     the deployment stops with the error, else no more of it are started until `epd scale`."""
+    max_restarts: int = 3
+    """Ray restarts a replica whose process died this many times (same name, new port); after that
+    the controller replaces it with a new one."""
+    heartbeat_s: float = 1.0
+    """Every replica registers itself again this often: a restarted registry is full again within
+    a few heartbeats (its warm-up is 3 of them)."""
+    refill_grace_s: float = 15.0
+    """After a registry restart, a replica a caller knew that has not registered again is kept in
+    rotation this long past the warm-up (a heartbeat can take seconds on a loaded machine)."""
+    status_wait_s: float = 2.0
+    """How long `epd status` waits for each replica to say how much work it holds (one that does
+    not answer in time is shown without it)."""
 
     def __post_init__(self) -> None:
+        _check_range(self.max_restarts, 0, 1000, "max_restarts")
+        _check_range(self.heartbeat_s, 0.05, 60, "heartbeat_s")
+        _check_range(self.refill_grace_s, 0, 3600, "refill_grace_s")
+        _check_range(self.status_wait_s, 0.1, 600, "status_wait_s")
         for name in ("num_encoders", "num_encode_services", "num_prefill", "num_decode", "num_routers"):
             _check_range(getattr(self, name), 1, 256, name)
         _check(self.bind in BIND_CHOICES, "bind", f"must be one of {BIND_CHOICES}, got {self.bind!r}")

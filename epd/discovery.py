@@ -2,7 +2,7 @@
 take new work; and how a caller picks one and routes around a dead one.
 
 A deployment has one ``Registry`` (a named, detached Ray actor that Ray restarts). Each replica
-registers itself once it serves and repeats it every ``HEARTBEAT_S`` (``Membership``): a replica
+registers itself once it serves and repeats it every ``heartbeat_s`` (``Membership``): a replica
 Ray restarted registers its new address, and a registry Ray restarted (empty) is filled again
 within a heartbeat. The controller marks replicas unhealthy when its probes fail, and draining
 when it removes them; a removed name is never re-added by a late heartbeat.
@@ -37,16 +37,17 @@ import grpc
 
 from epd import errors, logs, rpc
 from epd.breaker import Breaker
+from epd.config import DeployConfig
 from epd.v1 import epd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "registry"
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = DeployConfig.heartbeat_s  # the defaults; the deployment's own come in RoleContext
+REFILL_GRACE_S = DeployConfig.refill_grace_s  # after a registry restart, a known replica missing from it is kept this long
 WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
-REFILL_GRACE_S = 15.0  # after a registry restart, a known replica missing from it is kept this long
 STRANDED_S = 2.0  # a replica that said nothing behind it serves counts as unavailable this long
-WARMUP_S = 3 * HEARTBEAT_S  # a restarted registry is refilled by the replicas' heartbeats within this
+WARMUP_HEARTBEATS = 3  # a restarted registry is refilled by the replicas' heartbeats within this many
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class View:
     version: int
     endpoints: list
     warming: bool = False
-    """The registry started less than ``WARMUP_S`` ago: replicas may still be registering again."""
+    """The registry started less than its warm-up ago: replicas may still be registering again."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class RoleContext:
     """The deployment's ``Registry`` actor handle."""
     poll_s: float = 0.25
     """How often its watchers re-read the registry."""
+    heartbeat_s: float = HEARTBEAT_S
+    """How often it registers itself again (``DeployConfig.heartbeat_s``)."""
+    refill_grace_s: float = REFILL_GRACE_S
+    """How long its watchers keep a known replica a restarted registry does not list yet."""
 
     @property
     def role(self) -> str:
@@ -124,9 +129,10 @@ class Registry:
     ``epoch`` changes when the registry starts (a Ray restart); ``version`` grows with every
     change. Watchers acknowledge the (epoch, version) they applied."""
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.epoch = uuid.uuid4().hex
         self._started = time.monotonic()
+        self._warmup_s = WARMUP_HEARTBEATS * heartbeat_s
         self._endpoints: dict[str, Endpoint] = {}
         self._removed: set[str] = set()
         self._version = 0
@@ -175,7 +181,7 @@ class Registry:
         if watcher and watcher not in self._watchers:
             self._watchers[watcher] = _Watcher(role)
         return View(self.epoch, self._version, list(self._endpoints.values()),
-                    warming=time.monotonic() - self._started < WARMUP_S)
+                    warming=time.monotonic() - self._started < self._warmup_s)
 
     def poll(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> View | None:
         """A watcher's periodic call, one round trip: it acknowledges the (``epoch``, ``version``)
@@ -216,7 +222,7 @@ class Registry:
 
 
 class Membership:
-    """A replica's own entry in the registry: registered now, then again every ``HEARTBEAT_S``
+    """A replica's own entry in the registry: registered now, then again every ``heartbeat_s``
     (which refills a registry that Ray restarted)."""
 
     def __init__(self, context: RoleContext, address: str = "", handle: object = None,
@@ -224,6 +230,7 @@ class Membership:
         import ray
 
         self.registry = context.registry
+        self.heartbeat_s = context.heartbeat_s
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
                                  incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address,
@@ -236,7 +243,7 @@ class Membership:
     def _loop(self) -> None:
         import ray
 
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.heartbeat_s):
             try:
                 ray.get(self.registry.register.remote(self.endpoint), timeout=10)
             except Exception as error:  # noqa: BLE001 - the registry is restarting: try again next beat
@@ -246,15 +253,16 @@ class Membership:
         self._stop.set()
 
 
-def refill(known: list[Endpoint], listed: list[Endpoint], warming: bool, since_s: float) -> list[Endpoint] | None:
+def refill(known: list[Endpoint], listed: list[Endpoint], warming: bool, since_s: float,
+           grace_s: float = REFILL_GRACE_S) -> list[Endpoint] | None:
     """A watcher's view while a restarted registry is refilled by the replicas' heartbeats: what it
     lists, plus the replicas the watcher knew that it does not list yet; None once nothing known is
-    missing, or once the registry is past its warm-up and ``REFILL_GRACE_S`` have passed (what is
+    missing, or once the registry is past its warm-up and ``grace_s`` have passed (what is
     still missing then is gone). A heartbeat can take seconds to land on a loaded machine: a
     replica must not leave rotation only because the registry lost its memory."""
     names = {e.name for e in listed}
     missing = [e for e in known if e.name not in names]
-    if not missing or (not warming and since_s >= REFILL_GRACE_S):
+    if not missing or (not warming and since_s >= grace_s):
         return None
     return listed + missing
 
@@ -265,13 +273,15 @@ class RegistryWatch:
     ``outstanding()`` (calls in flight per replica)."""
 
     def __init__(self, registry, role: str, watcher: str, on_change: Callable[[list[Endpoint]], None],
-                 poll_s: float = 0.25, outstanding: Callable[[], dict[str, int]] = dict) -> None:
+                 poll_s: float = 0.25, outstanding: Callable[[], dict[str, int]] = dict,
+                 refill_grace_s: float = REFILL_GRACE_S) -> None:
         self.registry = registry
         self.role = role
         self.watcher = f"{watcher}/{role}"
         self.on_change = on_change
         self.outstanding = outstanding
         self.poll_s = poll_s
+        self.refill_grace_s = refill_grace_s
         self.seen: tuple[str, int] = ("", -1)
         self._applied: list[Endpoint] = []  # what on_change last got
         self._refill_since: float | None = None  # when this watcher first saw a restarted registry
@@ -292,7 +302,7 @@ class RegistryWatch:
         if self.seen[0] and view.epoch != self.seen[0]:  # Ray restarted the registry
             now = time.monotonic()
             self._refill_since = self._refill_since or now
-            kept = refill(self._applied, endpoints, view.warming, now - self._refill_since)
+            kept = refill(self._applied, endpoints, view.warming, now - self._refill_since, self.refill_grace_s)
             if kept is not None:  # replicas it knew are not back in it yet: keep them meanwhile
                 if kept != self._applied:
                     log.info("registry restarted: keeping %s in rotation until they register again",
@@ -386,6 +396,23 @@ class Balancer:
             return {name for name, incarnation in tried.items()
                     if name not in self._live or self._live[name].incarnation == incarnation}
 
+    WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
+
+    async def pick_or_wait(self, tried: dict[str, str], until: float, wait: bool = True) -> tuple[str, Endpoint]:
+        """``pick`` passing over the replicas in ``tried`` (name -> the incarnation that failed this
+        call) that are still that incarnation. When none is left (the only one died), and ``wait``,
+        look again every ``WAIT_POLL_S`` until one is, a restarted replica included (a new
+        incarnation), or until ``until`` (``time.monotonic()``): a lone replica's restart is a
+        pause. Raises ``errors.Unavailable`` when none is left in time."""
+        while True:
+            try:
+                return self.pick(exclude=self.same_incarnation(tried))
+            except errors.Unavailable:
+                left = until - time.monotonic()
+                if left <= 0 or not wait:
+                    raise
+                await asyncio.sleep(min(self.WAIT_POLL_S, left))
+
     def any_allowed(self, exclude: set[str] | frozenset[str] = frozenset()) -> bool:
         """Whether ``pick(exclude)`` would find a replica (without picking it)."""
         now = time.monotonic()
@@ -456,8 +483,6 @@ class Targets:
     """A role's replicas from the registry, as an asyncio caller sees them: ``call`` sends to the
     least busy allowed replica and tries the others when the replica itself fails."""
 
-    WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
-
     def __init__(self, role: str, make_stub: Callable[[grpc.aio.Channel], object], context: RoleContext,
                  transport: rpc.Transport, wait_s: float = 0.0) -> None:
         self.role = role
@@ -466,7 +491,7 @@ class Targets:
         self.stubs = rpc.StubCache(make_stub, transport)
         self._metadata = transport.metadata
         self._watch = RegistryWatch(context.registry, role, context.name, self.balancer.update, context.poll_s,
-                                    self.balancer.outstanding)
+                                    self.balancer.outstanding, context.refill_grace_s)
 
     @property
     def metadata(self) -> tuple:
@@ -488,16 +513,9 @@ class Targets:
         tried: dict[str, str] = {}  # name -> the incarnation that failed this call
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        give_up = min(start + self.wait_s, deadline if deadline is not None else float("inf"))
         while True:
-            try:
-                name, endpoint = self.balancer.pick(exclude=self.balancer.same_incarnation(tried))
-            except errors.Unavailable:
-                now = time.monotonic()
-                left = min(start + self.wait_s, deadline if deadline is not None else float("inf")) - now
-                if left <= 0 or (tried and not retry):
-                    raise
-                await asyncio.sleep(min(self.WAIT_POLL_S, left))
-                continue
+            name, endpoint = await self.balancer.pick_or_wait(tried, give_up, wait=not tried or retry)
             address = endpoint.address
             ok = None
             try:

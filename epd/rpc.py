@@ -30,33 +30,56 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd import errors, logs
+from epd.config import RpcConfig
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # internal hops: a handoff chunk, an inline embedding, images
-KEEPALIVE_S = 5.0
+MAX_MESSAGE_BYTES = RpcConfig().max_message_bytes  # internal hops: a handoff chunk, an inline embedding, images
+KEEPALIVE_S = RpcConfig.keepalive_s
 """Every connection (both ends) pings its peer this often and gives up on it when the answer takes
 as long again. A peer whose machine is lost (power, cable, a crashed kernel) sends no FIN and no
 RST: without this a call to it, or a stream from it, hangs until its deadline (tens of minutes for
 TCP's own retransmissions), and a new call can start on the dead connection. With it such a call
 fails with UNAVAILABLE within about 2 x KEEPALIVE_S and is retried elsewhere (tests/test_node_loss.py)."""
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
-    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
-    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_S * 1000)),  # else a ping waits 60 s for its answer
-    ("grpc.keepalive_permit_without_calls", 1),  # idle channels too: a new call must not find a dead one
-    ("grpc.http2.max_pings_without_data", 0),  # pings go on while a stream sends nothing
-    # The server side of the same: accept those pings (by default a server answers a ping more
-    # often than every 5 minutes without data with GOAWAY "too_many_pings", failing the calls).
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000 * 0.8)),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-"""On every channel and every server, so both ends find out."""
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    *KEEPALIVE_OPTIONS,
-]
+
+
+def _keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """On every channel and every server, so both ends find out."""
+    return [
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(keepalive_s * 1000)),  # else a ping waits 60 s for its answer
+        ("grpc.keepalive_permit_without_calls", 1),  # idle channels too: a new call must not find a dead one
+        ("grpc.http2.max_pings_without_data", 0),  # pings go on while a stream sends nothing
+        # The server side of the same: accept those pings (by default a server answers a ping more
+        # often than every 5 minutes without data with GOAWAY "too_many_pings", failing the calls).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(keepalive_s * 1000 * 0.8)),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+def _channel_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes), *_keepalive_options(keepalive_s)]
+
+
+KEEPALIVE_OPTIONS = _keepalive_options(KEEPALIVE_S)
+CHANNEL_OPTIONS = _channel_options(MAX_MESSAGE_BYTES, KEEPALIVE_S)
+MAX_CONCURRENT_RPCS = RpcConfig.max_concurrent_rpcs
+"""Calls one role's gRPC server runs at once: a ceiling, so that no flood of calls between roles
+(each holding buffers) can take a process's memory; the queues behind the servers bound the work."""
+EXECUTOR_THREADS = RpcConfig.executor_threads
+
+
+def configure(config: RpcConfig) -> None:
+    """This process's settings for every hop between roles (``ServeConfig.rpc``): each role calls
+    it first in its constructor, before it opens a channel or a server. Defaults until then."""
+    global MAX_MESSAGE_BYTES, KEEPALIVE_S, KEEPALIVE_OPTIONS, CHANNEL_OPTIONS, MAX_CONCURRENT_RPCS, EXECUTOR_THREADS
+    MAX_MESSAGE_BYTES, KEEPALIVE_S = config.max_message_bytes, config.keepalive_s
+    KEEPALIVE_OPTIONS = _keepalive_options(KEEPALIVE_S)
+    CHANNEL_OPTIONS = _channel_options(MAX_MESSAGE_BYTES, KEEPALIVE_S)
+    MAX_CONCURRENT_RPCS, EXECUTOR_THREADS = config.max_concurrent_rpcs, config.executor_threads
+
 DOWNSTREAM = ("epd-fault", "downstream")
 """Trailing metadata of a status that reports a failure of a hop behind the server that sent it."""
 
@@ -158,10 +181,11 @@ def resolve_host(host: str) -> str:
 class EventLoop:
     """An asyncio loop running in a daemon thread of its own; other threads hand it coroutines."""
 
-    def __init__(self, name: str, executor_threads: int = 16) -> None:
+    def __init__(self, name: str, executor_threads: int = 0) -> None:
         self.loop = asyncio.new_event_loop()
         # Short blocking work only (a tokenization, a Redis round trip): never a whole stream.
-        self.loop.set_default_executor(ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-io"))
+        self.loop.set_default_executor(ThreadPoolExecutor(executor_threads or EXECUTOR_THREADS,
+                                                          thread_name_prefix=f"{name}-io"))
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -386,10 +410,6 @@ def public_transport(security) -> Transport:
 Service = tuple[Callable, object, str]  # (add_XServicer_to_server, servicer, full service name)
 
 
-MAX_CONCURRENT_RPCS = 4096
-"""Calls one role's gRPC server runs at once: a ceiling, so that no flood of calls between roles
-(each holding buffers) can take a process's memory; the queues behind the servers bound the work."""
-
 
 class RoleServer:
     """Hosts one role's gRPC service in its own process (the controller makes it a Ray actor).
@@ -405,11 +425,12 @@ class RoleServer:
 
     def _serve(self, services: Iterable[Service], host: str, transport: Transport, port: int = 0,
                healthy: Callable[[], bool] = lambda: True, what: str = "the deployment's internal token",
-               max_receive_bytes: int = MAX_MESSAGE_BYTES, max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> None:
+               max_receive_bytes: int = 0, max_concurrent_rpcs: int = 0) -> None:
         """Start the server: ``transport`` says who may call (its token, its certificates);
         ``max_receive_bytes`` is the largest request message it reads (a public service sets it far
         below the internal hops' cap; gRPC refuses a bigger one with RESOURCE_EXHAUSTED);
-        ``max_concurrent_rpcs`` the calls it runs at once (gRPC refuses more with RESOURCE_EXHAUSTED)."""
+        ``max_concurrent_rpcs`` the calls it runs at once (gRPC refuses more with RESOURCE_EXHAUSTED).
+        0: this process's ``configure``d hop settings (``rpc.max_message_mb``, ``rpc.max_concurrent_rpcs``)."""
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]
@@ -419,8 +440,8 @@ class RoleServer:
         self._in_flight = InFlightCounter()
         interceptors = [*transport.interceptors(what), self._in_flight, RequestContext()]
         self.server, self.port, self._health = self.events.run(_start_server(
-            services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes,
-            max_concurrent_rpcs))
+            services, self.host, port, interceptors, transport.server_credentials(), max_receive_bytes or MAX_MESSAGE_BYTES,
+            max_concurrent_rpcs or MAX_CONCURRENT_RPCS))
         self.events.run(_report_health(self))
         self._health_task = asyncio.run_coroutine_threadsafe(_health_loop(self), self.events.loop)
 

@@ -30,6 +30,7 @@ import torch
 
 from epd import errors, tensors
 from epd.breaker import Breaker
+from epd.config import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,21 @@ class EmbeddingStore:
     """Thin typed layer over redis-py: batched existence checks, puts with TTL, batched gets, all
     behind one circuit breaker."""
 
-    def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, ttl_s: int = StoreConfig.ttl_s, timeout_s: float = StoreConfig.timeout_s,
+                 breaker_base_s: float = StoreConfig.breaker_base_s,
+                 breaker_max_s: float = StoreConfig.breaker_max_s) -> None:
         self.url = url
         self.ttl_s = ttl_s
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._breaker = Breaker(base_s=0.25, max_s=5.0)
+        self._breaker = Breaker(base_s=breaker_base_s, max_s=breaker_max_s)
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> EmbeddingStore:
+        """The store a role uses: ``config.redis_url`` (filled in by the launcher), its TTL,
+        timeout and breaker."""
+        return cls(config.redis_url, ttl_s=config.ttl_s, timeout_s=config.timeout_s,
+                   breaker_base_s=config.breaker_base_s, breaker_max_s=config.breaker_max_s)
 
     @property
     def reachable(self) -> bool:

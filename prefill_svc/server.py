@@ -119,11 +119,12 @@ class PrefillServer(rpc.RoleServer):
     SERVING while a decode replica takes handoffs."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         config = serve.prefill
         configure_threads(config.num_threads, config.cpus)
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
-        self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
+        self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config)
         internal = rpc.internal_transport(serve.security)
         self._decode = discovery.decode_targets(context, internal, serve.replica_wait_s)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),

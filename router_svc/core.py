@@ -43,7 +43,6 @@ from router_svc.text import TextStream
 
 log = logging.getLogger(__name__)
 
-MAX_RESUMES = 8  # a request moves to another decode worker at most this often
 STAGES = ("tokenize", "encode", "prefill", "decode")
 MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
 MAX_STOP_CHARS = 1000
@@ -450,15 +449,15 @@ class RouterCore:
         """The decode worker at ``lost_addr`` lost the request (it died, restarted without it, or
         preempted it): prefill the prompt plus the ``generated`` tokens (sampling the next one
         exactly as decode would have) and hand off to a decode worker again. A death counts
-        against ``MAX_RESUMES``; a preemption only against the request's deadline."""
+        against ``router.max_resumes``; a preemption only against the request's deadline."""
         if preempted:
             run.preemptions += 1
             self._count(preempted=1)
             log.info("decode at %s preempted request %s after %d tokens; resuming by replay", lost_addr,
                      run.request_id, len(generated))
         else:
-            if run.resumes - run.preemptions >= MAX_RESUMES:
-                raise errors.Unavailable(f"decode: the request lost its decode worker {MAX_RESUMES + 1} times; "
+            if run.resumes - run.preemptions >= self.config.max_resumes:
+                raise errors.Unavailable(f"decode: the request lost its decode worker {self.config.max_resumes + 1} times; "
                                          "giving up")
             self._count(resumes=1)
             log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,

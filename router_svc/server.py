@@ -67,6 +67,7 @@ class RouterServer(rpc.RoleServer):
     whatever Encoder services, prefill and decode replicas the registry lists from moment to moment."""
 
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
+        rpc.configure(serve.rpc)
         config = serve.router
         info = ModelInfo.load(serve.model_dir)
         builder = PromptBuilder.load(serve.model_dir, info, serve.encode.max_decoded_pixels,
@@ -78,10 +79,10 @@ class RouterServer(rpc.RoleServer):
         self._targets = [discovery.encoder_targets(context, internal, wait),
                          discovery.prefill_targets(context, internal, wait),
                          discovery.decode_targets(context, internal, wait)]
-        store = EmbeddingStore(serve.store.redis_url, serve.store.ttl_s)
+        store = EmbeddingStore.from_config(serve.store)
         encoders = discovery.Balancer("encoder")  # for health: can any image be encoded at all?
         self._watches = [discovery.RegistryWatch(context.registry, "encoder", context.name, encoders.update,
-                                                 context.poll_s)]
+                                                 context.poll_s, refill_grace_s=context.refill_grace_s)]
         self.core = RouterCore(config, builder, store, *self._targets, encoder_replicas=encoders,
                                decode_batch_size=serve.decode.max_batch_size)
         self.stats = RequestStats()

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,32 @@ def serve(tiny_model_dir, tmp_path_factory):
     with serving(tiny_model_dir, "--encoders", "2", "--internal-token-file", str(secrets_dir / "token"),
                  log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
         server.internal = ((rpc.INTERNAL_TOKEN_KEY, INTERNAL_TOKEN),)
+        yield server
+
+
+OPENAI_MODEL = "epd-tiny"
+"""The model name the OpenAI-front stack answers to (``--served-model-name``)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def openai_stack(tiny_model_dir, tmp_path_factory):
+    """A stack of its own per test module with the OpenAI-compatible HTTP front on a free port
+    (``server.http``: host:port), answering to ``OPENAI_MODEL``; ``server.openai`` is an
+    ``openai.OpenAI`` client of it (no retries, 120 s timeout)."""
+    import openai
+
+    port = free_port()
+    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", OPENAI_MODEL,
+                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
+        server.http = f"127.0.0.1:{port}"
+        server.openai = openai.OpenAI(base_url=f"http://{server.http}/v1", api_key="unused", max_retries=0,
+                                      timeout=120)
         yield server
 
 

@@ -5,8 +5,6 @@ echo, the legacy integer logprobs, stop strings, seeds and usage; what is refuse
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 import openai
 import pytest
@@ -14,26 +12,15 @@ import torch
 
 from epd import client
 from epd.v1 import epd_pb2
-from tests.conftest import serving
 
 MODEL = "epd-tiny"
 PROMPT = "The quick brown fox jumps over"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
-    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", MODEL,
-                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
-        server.completions = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                           timeout=120).completions
-        yield server
+def stack(openai_stack):
+    openai_stack.completions = openai_stack.openai.completions
+    return openai_stack
 
 
 def _ids(oracle, text: str) -> list[int]:

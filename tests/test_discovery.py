@@ -209,6 +209,42 @@ def test_a_restarted_replica_gets_a_clean_breaker():
     assert balancer.num_available() == 1
 
 
+def test_a_call_whose_only_replica_died_waits_for_its_restart_until_told_to_give_up():
+    """``Balancer.pick_or_wait``, which both the router's calls (``Targets.call``) and the Encoder
+    service's images use: the incarnation that failed is passed over, a restarted one (new
+    incarnation) is picked as soon as the registry lists it, and with none in time it raises."""
+    import asyncio
+
+    balancer = Balancer("decode")
+    balancer.update([_ep("decode-1", incarnation="i1")])
+    tried = {"decode-1": "i1"}  # it failed this call
+
+    async def restarted_later():
+        await asyncio.sleep(0.3)
+        balancer.update([_ep("decode-1", incarnation="i2")])
+
+    async def wait_for_it():
+        started = time.monotonic()
+        restart = asyncio.ensure_future(restarted_later())
+        name, endpoint = await balancer.pick_or_wait(tried, time.monotonic() + 5)
+        await restart
+        return name, endpoint.incarnation, time.monotonic() - started
+
+    name, incarnation, took = asyncio.run(wait_for_it())
+    assert (name, incarnation) == ("decode-1", "i2") and 0.25 < took < 2, took
+    balancer.release(name, True)
+
+    tried = {"decode-1": "i2"}
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable):
+        asyncio.run(balancer.pick_or_wait(tried, time.monotonic() + 0.4))
+    assert 0.35 < time.monotonic() - started < 2
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable):  # told not to wait: at once
+        asyncio.run(balancer.pick_or_wait(tried, time.monotonic() + 5, wait=False))
+    assert time.monotonic() - started < 0.1
+
+
 def test_fleet_reads_probes_into_life_events():
     fleet = Fleet()
     fleet.add("decode-1", "decode", now=0.0)

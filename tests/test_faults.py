@@ -18,7 +18,7 @@ import pytest
 from bench.synthetic import make_image
 from epd import client, discovery, rpc
 from epd.v1 import epd_pb2_grpc
-from tests.conftest import ServeProcess, epd_status, ray_address, serving
+from tests.conftest import ServeProcess, epd, epd_status, ray_address, serving
 
 IMAGE = make_image(128, 128, seed=900)
 
@@ -188,6 +188,40 @@ def test_a_lone_replica_killed_is_a_pause_and_both_come_back(single, oracle, rol
         return [e for e in epd_status(address)["events"] if e["name"] == replica["name"]]
 
     assert discovery.wait_until(lambda: any(e["kind"] in ("restarted", "replaced") for e in events()), 30), events()
+
+
+def _controller_process(server: ServeProcess) -> psutil.Process:
+    for process in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if any("ray::Controller" in part for part in process.cmdline()):
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("no controller process under epd serve")
+
+
+def test_a_controller_restart_keeps_the_history_and_the_metrics_address(single):
+    """`epd status` after the controller's kill -9: the same metrics address (a Prometheus target
+    taken from it stays valid), the life events and counts from before it, and the restart itself
+    in the history; the replicas were adopted, not replaced."""
+    address = ray_address(single)
+    before = epd_status(address)
+    assert before.get("controller_starts") == 1 and before["events"], before
+    names = sorted(r["name"] for replicas in before["roles"].values() for r in replicas)
+    _controller_process(single).kill()
+    assert discovery.wait_until(lambda: epd_status(address).get("controller_starts") == 2, 60)
+    after = epd_status(address)
+    assert after["metrics"] == before["metrics"]
+    assert after["since"] == before["since"]
+    assert after["events"][:len(before["events"])] == before["events"]
+    assert any(e["name"] == "controller" and e["kind"] == "restarted" for e in after["events"]), after["events"]
+    for role, counts in before["counts"].items():
+        assert all(after["counts"][role][kind] >= n for kind, n in counts.items()), (before["counts"], after["counts"])
+    assert sorted(r["name"] for replicas in after["roles"].values() for r in replicas) == names
+    text = urllib.request.urlopen(f"http://{after['metrics']}/metrics", timeout=10).read().decode()
+    assert "epd_replica_events" in text
+    out = epd("status", "--address", address)
+    assert out.returncode == 0 and "controller restarted 1x" in out.stdout, out.stdout
 
 
 def test_sigterm_lets_the_streams_in_flight_finish(tiny_model_dir, tmp_path):

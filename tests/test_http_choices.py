@@ -5,7 +5,6 @@ requests run concurrently, choice i seeded seed + i), ``stop_reason``,
 
 from __future__ import annotations
 
-import socket
 from collections import defaultdict
 
 import grpc
@@ -15,25 +14,14 @@ import pytest
 from epd import client
 from epd.v1 import epd_pb2_grpc
 from prefill_svc.caches import prefix_block_hashes
-from tests.conftest import serving
 
 MODEL = "epd-tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
-    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", MODEL,
-                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        server.chat, server.completions = api.chat.completions, api.completions
-        yield server
+def stack(openai_stack):
+    openai_stack.chat, openai_stack.completions = openai_stack.openai.chat.completions, openai_stack.openai.completions
+    return openai_stack
 
 
 def _user(text: str, **extra) -> list[dict]:

@@ -8,7 +8,6 @@ OpenAI's documented formula over the generated tokens, written independently of 
 from __future__ import annotations
 
 import math
-import socket
 
 import openai
 import pytest
@@ -34,7 +33,6 @@ from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2
 from epd.wire import sampling_from_proto, sampling_to_proto
 from prefill_svc.engine import PrefillEngine
-from tests.conftest import serving
 
 VOCAB = 64
 EOS = frozenset({3})
@@ -197,20 +195,9 @@ def _assert_teacher_forced(oracle, prompt_ids, answer, config: SamplingConfig, e
             assert int(torch.multinomial(probs, 1, generator=generator)) == token, f"step {step}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
-    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", MODEL,
-                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
-        server.openai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                      timeout=120)
-        yield server
+def stack(openai_stack):
+    return openai_stack
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the history are prompted as transformers renders them; the tokenizer endpoints."
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -20,26 +19,13 @@ from bench.synthetic import make_image
 from epd import client
 from epd.dataurl import encode_data_url
 from epd.v1 import epd_pb2
-from tests.conftest import serving
 
 MODEL = "epd-tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
-    with serving(tiny_model_dir, "--encoders", "1", "--http-port", str(port), "--served-model-name", MODEL,
-                 log_path=str(tmp_path_factory.mktemp("logs") / "serve.log")) as server:
-        server.http = f"127.0.0.1:{port}"
-        server.openai = openai.OpenAI(base_url=f"http://{server.http}/v1", api_key="unused", max_retries=0,
-                                      timeout=120)
-        yield server
+def stack(openai_stack):
+    return openai_stack
 
 
 def _post(stack, path: str, data: bytes, content_type: str | None) -> tuple[int, dict]:

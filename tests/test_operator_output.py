@@ -25,6 +25,12 @@ ROLE_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\
 def test_a_fresh_serve_piped_to_a_file_prints_a_short_plain_log(tiny_model_dir, tmp_path):
     server = ServeProcess(tiny_model_dir, "--encoders", "1", "--http-port", "0", log_path=str(tmp_path / "serve.log"))
     try:
+        # "epd ready" is the last line of the start: every role's "joined" line came before it (a
+        # script may wait for it and then read the log), and the controller's ready line after them.
+        so_far = (tmp_path / "serve.log").read_text()
+        joined = re.findall(r"control\.controller: (\w+) \1-\d+ joined", so_far)
+        assert sorted(joined) == ["decode", "encode", "encoder", "prefill", "router"], so_far
+        assert so_far.index("deployment ready: every role serving") > so_far.rindex(" joined"), so_far
         http = next(line.split("http://", 1)[1].strip().removesuffix("/v1") for line in server.lines
                     if line.startswith("epd http at "))
         # A gRPC request and an HTTP request whose client leaves early (the router logs that, with its id).

@@ -82,3 +82,15 @@ def test_a_decode_replica_shows_its_kv_pool(capsys):
                     "swapped_bytes": 0}
     lines = _lines(_status({"decode": [decode]}, {}, []), capsys)
     assert any("decode-3" in line and "K/V 25% of 32768 tokens, 3 preempted" in line for line in lines)
+
+
+def test_the_history_says_since_when_and_counts_controller_restarts(capsys):
+    status = _status({"router": [_replica("router-4", "serving")]}, {"router": {"restarted": 1}},
+                     [_event("router-4", "restarted", 4.0), _event("controller", "restarted")])
+    status["since"] = time.mktime((2026, 12, 1, 9, 30, 5, 0, 0, -1))
+    status["controller_starts"] = 3
+    lines = _lines(status, capsys)
+    history = [line for line in lines if line.startswith("history")]
+    assert history == ["history (since the deployment started at 09:30:05, not the state now): router 1 restarted; "
+                       "controller restarted 2x"], lines
+    assert any(line.endswith("controller restarted") for line in lines), lines
