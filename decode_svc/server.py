@@ -126,9 +126,9 @@ class DecodeServer(rpc.RoleServer):
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.decode
         configure_threads(config.num_threads, config.cpus)
-        info = ModelInfo.load(serve.model_dir)
         # before a weight is read: a model, pool or batch that cannot fit is refused in one line
         memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
+        info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],

@@ -122,9 +122,9 @@ class PrefillServer(rpc.RoleServer):
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         config = serve.prefill
         configure_threads(config.num_threads, config.cpus)
-        info = ModelInfo.load(serve.model_dir)
         # before a weight is read: a model or budget that cannot fit is refused in one line
         memory_plan.check_role(serve.model_dir, "prefill", serve, *memory_plan.device_available(default_device()))
+        info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore(serve.store.redis_url, serve.store.ttl_s), config)
         internal = rpc.internal_transport(serve.security)
