@@ -145,3 +145,15 @@ def test_a_deployment_that_fits_passes_and_sums_its_replicas(tiny_model_dir):
     assert two.total == 2 * one.total
     with pytest.raises(mp.DoesNotFit, match=r"2 encoder \+ 2 prefill \+ 2 decode needs"):
         mp.check_deployment(tiny_model_dir, serve, {"encoder": 2, "prefill": 2, "decode": 2}, one.total, "RAM")
+
+
+def test_the_roofline_counts_a_moe_tokens_active_experts(tiny_model_dir, tiny_moe_model_dir):
+    from bench.roofline import ModelCost
+
+    dense = ModelCost.of(tiny_model_dir, torch.float32)
+    assert dense.active_lm_params == dense.lm_params and dense.step_weight_bytes(16) == dense.weight_bytes
+    moe = ModelCost.of(tiny_moe_model_dir, torch.float32)
+    raw = mp.read_raw_config(tiny_moe_model_dir)
+    assert moe.step_weight_bytes(1) == mp.active_bytes_per_token(raw, "float32")  # top_k experts a layer
+    assert moe.step_weight_bytes(1) < moe.step_weight_bytes(16) < moe.weight_bytes
+    assert moe.active_lm_params < moe.lm_params
