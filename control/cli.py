@@ -93,7 +93,14 @@ def _parser() -> argparse.ArgumentParser:
                              "cannot hold is refused before anything is allocated")
     create.set_defaults(func=_cmd_model_create, parser=create)
 
-    serve = command("serve", help="start every role on a local Ray instance")
+    serve = command("serve", help="start every role on a local Ray instance", epilog=(
+        "Model sizes: every published Qwen3.5 size is an `epd model create` preset (qwen3.5-0.8b, -2b, -4b, -9b, "
+        "-27b, -35b-a3b, -122b-a10b, -397b-a17b). Before Ray starts, serve adds up what every model replica "
+        "needs (weights in --dtype, --kv-cache-bytes, linear-attention slots, activations) and refuses in one "
+        "line what this host cannot hold; each role checks its own device again before loading. On this "
+        "kind of 24 GiB host: 0.8b in float32, 2b and 4b with --dtype bfloat16. Give replicas GPUs with "
+        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A role "
+        "spanning several devices (tensor parallelism) is not yet a serving option."))
     flags.add_flags(serve, flags.SERVE)
     flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
