@@ -97,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
         "Model sizes: every published Qwen3.5 size is an `epd model create` preset (qwen3.5-0.8b, -2b, -4b, -9b, "
         "-27b, -35b-a3b, -122b-a10b, -397b-a17b). Before Ray starts, serve adds up what every model replica "
         "needs (weights in --dtype, --kv-cache-bytes, linear-attention slots, activations) and refuses in one "
-        "line what this host cannot hold; each role checks its own device again before loading. On this "
-        "kind of 24 GiB host: 0.8b in float32, 2b and 4b with --dtype bfloat16. Give replicas GPUs with "
+        "line what this host cannot hold; each role checks its own device again before loading. One replica "
+        "of each role needs 8.8 GiB for 2b, 18.4 GiB for 4b with --dtype bfloat16 (17.0 and 35.3 GiB in "
+        "float32; docs/ARCHITECTURE.md has every size). Give replicas GPUs with "
         "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A role "
         "spanning several devices (tensor parallelism) is not yet a serving option."))
     flags.add_flags(serve, flags.SERVE)
