@@ -44,3 +44,27 @@ def test_heads_that_do_not_split_are_refused(tiny_model_dir):
 def test_a_failed_rank_is_reported_with_its_error(tmp_path):
     with pytest.raises(RuntimeError, match="tensor-parallel rank 0 failed"):
         tp.run_greedy(str(tmp_path / "missing"), [1, 2, 3], 2, world=2, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_state_moves_between_tp2_and_tp1(tiny_model_dir, oracle, tmp_path):
+    """Prefill with TP=2 -> the gathered whole state -> decode in one process; and prefill in one
+    process -> the whole state split over 2 ranks -> decode with TP=2: both give transformers'
+    tokens, and the gathered state equals the one-process prefill's to float32 rounding."""
+    inputs = oracle.inputs(PROMPT, [])
+    prompt_ids = inputs["input_ids"][0].tolist()
+    want = oracle.generate_through_eos(inputs, 10)
+    runner = TextModelRunner.load(tiny_model_dir, prepack=False)
+
+    tp.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_out=str(tmp_path / "from_tp2.safetensors"))
+    gathered, first = tp.load_state(str(tmp_path / "from_tp2.safetensors"), runner.num_layers)
+    runner.check_state(gathered)  # exactly the shapes and dtypes of a one-process state
+    alone, first_logits = tp.prefill(runner, prompt_ids)
+    for (name, a), (_, b) in zip(alone.named_tensors(), gathered.named_tensors()):
+        assert (a - b).abs().max().item() < 1e-4, name
+    assert first == int(first_logits.argmax())
+    assert tp.decode(runner, gathered, first, 10)[0] == want
+
+    tp.save_state(str(tmp_path / "from_tp1.safetensors"), alone, first)
+    tokens, _ = tp.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_in=str(tmp_path / "from_tp1.safetensors"))
+    assert tokens == want
