@@ -8,6 +8,17 @@ embedding only for the batch's rows), so on a CPU its time is bounded below by
 where the bandwidth is measured in the same run with one large matrix-vector product in the
 model's dtype (the best this machine streams weights). The report gives each batch size's step
 time, that floor, and the ratios (step / floor, step / batch-1 step).
+
+A mixture-of-experts model reads only the routed experts its tokens chose, so its floor depends
+on the batch and is counted from the routing of the steps timed:
+
+    bytes(step) = dense bytes + sum over MoE layers of (distinct experts chosen in that layer by
+                  the step's tokens) x bytes of one expert
+
+where "dense bytes" is everything else (attention, Gated DeltaNet, router, shared expert, norms,
+LM head). At batch 1 that is exactly top_k experts per layer (``epd.memory_plan.
+active_bytes_per_token``); at batch b at most min(E, b x top_k), and E x (1 - (1 - top_k/E)^b)
+under uniform routing (reported beside the measured count).
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ _GEMV_BYTES = 512 * 1024**2
 
 
 def weight_bytes_per_step(runner: TextModelRunner) -> int:
-    """Bytes of weights one decode step reads: everything but the embedding table, plus the LM head."""
+    """Bytes of weights one decode step reads: everything but the embedding table, plus the LM
+    head; for a MoE model every routed expert counted (see ``expert_split`` for the real read)."""
     total = 0
     # pre-packed linear weights (epd.kernels.PackedLinear) are buffers, not parameters
     packed = [(name, t) for name, t in runner.model.named_buffers() if t.is_mkldnn]
@@ -41,6 +53,42 @@ def weight_bytes_per_step(runner: TextModelRunner) -> int:
             total += param.numel() * param.element_size()
     head = runner.lm_head_weight
     return total + head.numel() * head.element_size()
+
+
+def expert_split(runner: TextModelRunner) -> tuple[int, int, int]:
+    """(bytes a step reads besides the routed experts, bytes of one routed expert, MoE layers);
+    (all, 0, 0) for a dense model."""
+    experts = [layer.mlp.experts for layer in runner.model.layers if hasattr(layer.mlp, "experts")]
+    if not experts:
+        return weight_bytes_per_step(runner), 0, 0
+    all_experts = sum(e.gate_up_proj.numel() * e.gate_up_proj.element_size()
+                      + e.down_proj.numel() * e.down_proj.element_size() for e in experts)
+    each = all_experts // (len(experts) * experts[0].num_experts)
+    return weight_bytes_per_step(runner) - all_experts, each, len(experts)
+
+
+class ExpertCounter:
+    """Counts, per decode step, the distinct routed experts each MoE layer's router chose (a
+    forward hook on every router: what the step's grouped expert product reads)."""
+
+    def __init__(self, runner: TextModelRunner) -> None:
+        self.chosen: list[set[int]] = []
+        self._handles = []
+        for layer in runner.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                self._handles.append(layer.mlp.gate.register_forward_hook(self._hook))
+        self.per_step: list[int] = []
+
+    def _hook(self, module, inputs, output) -> None:
+        self.chosen.append(set(output[2].flatten().tolist()))
+
+    def end_step(self) -> None:
+        self.per_step.append(sum(len(c) for c in self.chosen))
+        self.chosen = []
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -> float:
@@ -71,18 +119,23 @@ def _median_time(product, vector: torch.Tensor, device: torch.device, repeats: i
     return statistics.median(times)
 
 
-def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, warmup: int = 2) -> float:
-    """Median seconds of one decode step with ``batch_size`` requests of _PROMPT_TOKENS context."""
+def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, warmup: int = 2,
+                     counter: ExpertCounter | None = None) -> float:
+    """Median seconds of one decode step with ``batch_size`` requests of _PROMPT_TOKENS context
+    (``counter``, when given, counts the experts each timed step chose)."""
     vocab = runner.lm_head_weight.shape[0]
-    ids = torch.randint(0, vocab, (_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
-    state = runner.new_state()
     pos, _ = positions.mrope_positions(_PROMPT_TOKENS, [])
-    first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
     batch = DecodeBatch(runner)
-    for _ in range(batch_size):
-        batch.add(state.clone())
-    tokens = [first] * batch_size
+    tokens = []
+    # a prompt of its own per request: the rows' tokens differ, so a MoE router sees a real batch
+    for slot in range(batch_size):
+        ids = torch.randint(0, vocab, (_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(slot))
+        state = runner.new_state()
+        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
+        batch.add(state)
     times = []
+    if counter is not None:
+        counter.chosen, counter.per_step = [], []
     for step in range(warmup + steps):
         _sync(runner.device)
         start = time.perf_counter()
@@ -91,6 +144,10 @@ def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, w
         _sync(runner.device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
+        if counter is not None:
+            counter.end_step()
+    if counter is not None:
+        counter.per_step = counter.per_step[warmup:]
     return statistics.median(times)
 
 
@@ -100,14 +157,18 @@ def run_decode_step_bench(model_dir: str, batch_sizes: list[int], dtype: str = "
         raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
     runner = TextModelRunner.load(model_dir, dtype=dtype)
     weights = weight_bytes_per_step(runner)
+    dense, expert_bytes, moe_layers = expert_split(runner)
     bandwidth = gemv_bandwidth(runner.dtype, runner.device)
     floor_s = weights / bandwidth
+    counter = ExpertCounter(runner) if moe_layers else None
     rows = []
     for batch_size in tqdm(batch_sizes, desc="decode step", unit="batch size"):
-        rows.append({"batch_size": batch_size, "step_s": time_decode_step(runner, batch_size)})
+        rows.append({"batch_size": batch_size, "step_s": time_decode_step(runner, batch_size, counter=counter)})
+        if counter is not None:
+            rows[-1].update(_moe_floor(runner, batch_size, counter.per_step, dense, expert_bytes, bandwidth))
     base = next((r["step_s"] for r in rows if r["batch_size"] == 1), None)
     for row in rows:
-        row["ratio_to_floor"] = row["step_s"] / floor_s
+        row["ratio_to_floor"] = row["step_s"] / row.get("floor_s", floor_s)
         row["ratio_to_batch1"] = row["step_s"] / base if base else None
         row["tokens_per_s"] = row["batch_size"] / row["step_s"]
     report = {
@@ -118,22 +179,46 @@ def run_decode_step_bench(model_dir: str, batch_sizes: list[int], dtype: str = "
         "context_tokens": _PROMPT_TOKENS,
         "weight_bytes_per_step": weights,
         "gemv_bandwidth_gb_s": bandwidth / 1e9,
-        "floor_s": floor_s,
+        "floor_s": floor_s,  # every weight read (a MoE model: each row has its own floor_s)
+        "moe": {"dense_bytes": dense, "expert_bytes": expert_bytes, "moe_layers": moe_layers} if moe_layers else None,
         "steps": rows,
         "machine": machine_info(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     print(f"weights read per step: {weights / 1e9:.3f} GB; GEMV bandwidth {bandwidth / 1e9:.2f} GB/s; "
           f"floor {floor_s * 1e3:.1f} ms")
-    print(f"{'batch':>5} {'step ms':>9} {'x floor':>8} {'x b1':>6} {'tok/s':>8}")
+    if moe_layers:
+        print(f"MoE: {dense / 1e9:.3f} GB besides the routed experts + {expert_bytes / 1e6:.3f} MB per expert "
+              f"chosen, {moe_layers} layers; floor per row from the experts its steps chose")
+    print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'x b1':>6} {'tok/s':>8}"
+          + (f" {'experts/step':>12} {'uniform':>8}" if moe_layers else ""))
     for row in rows:
         b1 = f"{row['ratio_to_batch1']:.2f}" if row["ratio_to_batch1"] else "-"
-        print(f"{row['batch_size']:>5} {row['step_s'] * 1e3:>9.1f} {row['ratio_to_floor']:>8.2f} {b1:>6} "
-              f"{row['tokens_per_s']:>8.1f}")
+        line = (f"{row['batch_size']:>5} {row['step_s'] * 1e3:>9.1f} {row.get('floor_s', floor_s) * 1e3:>9.2f} "
+                f"{row['ratio_to_floor']:>8.2f} {b1:>6} {row['tokens_per_s']:>8.1f}")
+        if moe_layers:
+            line += f" {row['experts_read_per_step']:>12.1f} {row['experts_uniform_per_step']:>8.1f}"
+        print(line)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _moe_floor(runner: TextModelRunner, batch_size: int, per_step: list[int], dense: int, expert_bytes: int,
+               bandwidth: float) -> dict:
+    """A MoE row's floor: dense bytes + the experts its timed steps chose (mean) x one expert's bytes."""
+    config = runner.model.config
+    num, top_k = config.num_experts, config.num_experts_per_tok
+    layers = sum(hasattr(layer.mlp, "experts") for layer in runner.model.layers)
+    chosen = statistics.mean(per_step)
+    read = dense + chosen * expert_bytes
+    return {
+        "experts_read_per_step": chosen,  # over every MoE layer
+        "experts_uniform_per_step": layers * num * (1 - (1 - top_k / num) ** batch_size),
+        "weight_bytes_read": read,
+        "floor_s": read / bandwidth,
+    }
 
 
 def machine_info() -> dict:

@@ -11,6 +11,9 @@ counts:
 - decode with ideal batching: ``ceil(N / C) x (O - 1)`` steps for N requests, C in flight and O
   output tokens each, every step ``max(weight bytes / bandwidth, 2 x (LM params + LM head) x C / peak)``
   (a step reads every weight once; with enough rows it is compute-bound instead).
+- a mixture-of-experts model: "LM params" are a token's active ones (its top_k experts a layer,
+  ``epd.memory_plan.active_params_per_token``), and a step's weight bytes count the experts its C
+  tokens choose, E x (1 - (1 - k/E)^C) a layer under uniform routing (``ModelCost.step_weight_bytes``).
 
 The stages run one after another on the same cores here (a lower bound: nothing overlaps better
 than perfectly), so ``roofline_s`` is their sum and a system's ``efficiency`` is
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from epd import kernels
+from epd import kernels, memory_plan
 
 PEAK_SIZE = 2048
 GEMV_BYTES = 1 << 30
@@ -46,8 +49,23 @@ class ModelCost:
     lm_params: int  # the language model without its embedding table
     lm_head_params: int  # vocab x hidden
     hidden: int
-    weight_bytes: int  # what one decode step reads: every LM weight once, the LM head included
+    weight_bytes: int  # every LM weight once, the LM head included (a dense model's decode step reads it all)
     merge: int  # image tokens per patch is 1 / merge^2
+    # a mixture-of-experts model: a token computes with (and a step reads) only the routed experts chosen
+    active_lm_params: int = 0  # lm_params with only top_k experts a layer (= lm_params when dense)
+    expert_bytes: int = 0  # one routed expert of one layer
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """Bytes one decode step of ``batch`` tokens reads: a MoE layer reads the experts its tokens
+        chose, E x (1 - (1 - k/E)^batch) of them expected under uniform routing."""
+        if not self.moe_layers:
+            return self.weight_bytes
+        dense = self.weight_bytes - self.moe_layers * self.num_experts * self.expert_bytes
+        chosen = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** max(1, batch))
+        return dense + self.moe_layers * chosen * self.expert_bytes
 
     @classmethod
     def of(cls, model_dir: str, dtype: torch.dtype) -> ModelCost:
@@ -63,10 +81,18 @@ class ModelCost:
         embedding = text_config.vocab_size * text_config.hidden_size
         lm_params = count_parameters(text) - embedding
         size = torch.empty((), dtype=dtype).element_size()
+        raw = memory_plan.read_raw_config(model_dir)
+        params = memory_plan.count_params(raw)
+        moe = {}
+        if params.experts:
+            head = params.head or params.embedding
+            moe = dict(active_lm_params=memory_plan.active_params_per_token(raw) - head,
+                       expert_bytes=params.expert_params_each * size, moe_layers=text_config.num_hidden_layers,
+                       num_experts=text_config.num_experts, top_k=text_config.num_experts_per_tok)
         return cls(vision_params=count_parameters(vision), vision_depth=config.vision_config.depth,
                    vision_hidden=config.vision_config.hidden_size, lm_params=lm_params, lm_head_params=embedding,
                    hidden=text_config.hidden_size, weight_bytes=(lm_params + embedding) * size,
-                   merge=config.vision_config.spatial_merge_size)
+                   merge=config.vision_config.spatial_merge_size, **({"active_lm_params": lm_params} | moe))
 
 
 def measure(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> MachineLimits:
@@ -116,12 +142,13 @@ def bound(cost: ModelCost, limits: MachineLimits, image_tokens: list[int], promp
     for tokens in image_tokens:
         patches = tokens * cost.merge**2
         vision_flops += 2 * cost.vision_params * patches + 4 * cost.vision_depth * patches**2 * cost.vision_hidden
-    prefill_flops = sum(2 * cost.lm_params * tokens + 2 * cost.lm_head_params for tokens in prompt_tokens)
+    active = cost.active_lm_params or cost.lm_params  # a MoE token computes with its top_k experts only
+    prefill_flops = sum(2 * active * tokens + 2 * cost.lm_head_params for tokens in prompt_tokens)
     num_requests = len(prompt_tokens)
     steps = math.ceil(num_requests / max(1, concurrency)) * max(0, output_tokens - 1)
     batch = min(concurrency, num_requests)
-    step_s = max(cost.weight_bytes / limits.bandwidth,
-                 2 * (cost.lm_params + cost.lm_head_params) * batch / limits.peak_flops)
+    step_s = max(cost.step_weight_bytes(batch) / limits.bandwidth,
+                 2 * (active + cost.lm_head_params) * batch / limits.peak_flops)
     stages = {"vision_s": vision_flops / limits.peak_flops, "prefill_s": prefill_flops / limits.peak_flops,
               "decode_s": steps * step_s}
     return {"roofline_s": sum(stages.values()), "stages": stages, "decode_steps": steps, "decode_step_s": step_s,

@@ -20,7 +20,8 @@ from control import flags
 
 # epd.checkpoint.PRESETS' names, kept here so that argparse needs no torch import
 # (tests/test_checkpoint.py checks the two agree).
-PRESET_NAMES = ("tiny", "tiny-32k", "tiny-hd64", "tiny-moe", "qwen3.5-0.8b")
+PRESET_NAMES = ("tiny", "tiny-32k", "tiny-hd64", "tiny-moe", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b",
+                "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "qwen3.5-122b-a10b", "qwen3.5-397b-a17b")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +87,21 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--out", required=True, help="directory to write")
     create.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="seed of the random weights")
     create.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    create.add_argument("--config-only", action="store_true",
+                        help="write config.json, tokenizer and processor config but no weights (any size: for "
+                             "memory planning and placement); without it a preset this host's RAM or disk "
+                             "cannot hold is refused before anything is allocated")
     create.set_defaults(func=_cmd_model_create, parser=create)
 
-    serve = command("serve", help="start every role on a local Ray instance")
+    serve = command("serve", help="start every role on a local Ray instance", epilog=(
+        "Model sizes: every published Qwen3.5 size is an `epd model create` preset (qwen3.5-0.8b, -2b, -4b, -9b, "
+        "-27b, -35b-a3b, -122b-a10b, -397b-a17b). Before Ray starts, serve adds up what every model replica "
+        "needs (weights in --dtype, --kv-cache-bytes, linear-attention slots, activations) and refuses in one "
+        "line what this host cannot hold; each role checks its own device again before loading. One replica "
+        "of each role needs 8.8 GiB for 2b, 18.4 GiB for 4b with --dtype bfloat16 (17.0 and 35.3 GiB in "
+        "float32; docs/ARCHITECTURE.md has every size). Give replicas GPUs with "
+        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A role "
+        "spanning several devices (tensor parallelism) is not yet a serving option."))
     flags.add_flags(serve, flags.SERVE)
     flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
@@ -421,9 +434,14 @@ def _cmd_model_create(args) -> int:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not args.overwrite:
         args.parser.error(f"{out} exists and is not empty; pass --overwrite to replace it")
     from epd.checkpoint import create_checkpoint  # torch and transformers: seconds, only once it is a go
+    from epd.memory_plan import DoesNotFit
 
-    path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite)
-    print(f"wrote {args.preset} checkpoint to {path}")
+    try:
+        path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite,
+                                 config_only=args.config_only)
+    except DoesNotFit as error:
+        args.parser.error(str(error))
+    print(f"wrote {args.preset} {'config (no weights)' if args.config_only else 'checkpoint'} to {path}")
     return 0
 
 
@@ -448,6 +466,7 @@ def _cmd_serve(args) -> int:
     except ConfigError as error:
         args.parser.error(str(error))
     _check_checkpoint(args, config.serve.model_dir)
+    _check_memory(args, config)
     for option, port in (("--port", config.serve.router.port), ("--http-port", config.serve.http.port)):
         busy = _port_in_use(config.serve.router.host, port or 0)
         if busy:
@@ -502,6 +521,24 @@ def _check_checkpoint(args, model_dir: str) -> None:
     try:
         check_model_type(model_dir)
     except UnsupportedCheckpoint as error:
+        args.parser.error(str(error))
+
+
+def _check_memory(args, config) -> None:
+    """Refuse, before Ray starts, a deployment whose model replicas cannot all fit in this host's
+    RAM (weights, K/V pools, linear-attention slots, activations: ``epd.memory_plan``), in one
+    line with the numbers. Replicas given GPUs (``--num-gpus``, or a GPU Ray will find) are
+    checked against their device by each role, before its load."""
+    from epd import memory_plan
+
+    # a GPU the local Ray node offers (--num-gpus N, or one Ray will detect) goes to the replicas
+    gpus = config.local_gpus > 0 or (config.local_gpus < 0 and os.path.exists("/dev/nvidiactl"))
+    on_host = {role: config.replicas(role) for role in memory_plan.MODEL_ROLES
+               if not gpus and not config.role_resources(role).num_gpus}
+    try:
+        memory_plan.check_deployment(config.serve.model_dir, config.serve, on_host,
+                                     memory_plan.host_available(), "this host's RAM")
+    except memory_plan.DoesNotFit as error:
         args.parser.error(str(error))
 
 

@@ -18,7 +18,7 @@ import functools
 
 from decode_svc.engine import DecodeEngine
 from decode_svc.scheduler import TokenEvent
-from epd import errors, handoff, logs, rpc
+from epd import errors, handoff, logs, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
@@ -26,7 +26,7 @@ from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import history_for
-from epd.tensors import configure_threads
+from epd.tensors import configure_threads, default_device
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.wire import logprobs_to_proto, sampling_from_proto
 
@@ -128,6 +128,8 @@ class DecodeServer(rpc.RoleServer):
         rpc.configure(serve.rpc)
         config = serve.decode
         configure_threads(config.num_threads, config.cpus)
+        # before a weight is read: a model, pool or batch that cannot fit is refused in one line
+        memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging, kernels, limits, rpc, video
+from epd import checkpoint, errors, imaging, kernels, limits, memory_plan, rpc, video
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -75,6 +75,8 @@ class EncoderEngine:
         config = serve.encode
         configure_threads(config.num_threads, config.cpus)
         self.name = context.name
+        # before a weight is read: a vision tower that cannot fit is refused in one line
+        memory_plan.check_role(serve.model_dir, "encoder", serve, *memory_plan.device_available(default_device()))
         self.vision = checkpoint.build_vision_model(serve.model_dir, dtype=parse_dtype(config.dtype),
                                                     device=default_device())
         weight = next(self.vision.parameters())

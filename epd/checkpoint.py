@@ -3,12 +3,13 @@
 This module owns the on-disk model format used by every stage:
 
 * ``PRESETS`` / ``config_from_name``: Qwen3.5 configs in the real architecture
-  (``tiny`` for tests/demos, ``qwen3.5-0.8b`` with the published shape, ``tiny-moe``:
-  ``tiny``'s dims with a sparse mixture-of-experts MLP), whose token ids come from
-  :mod:`epd.tokenizer_build`.
+  (``tiny`` for tests/demos, ``tiny-moe``: ``tiny``'s dims with a sparse mixture-of-experts
+  MLP, and ``PUBLISHED``: every released size, 0.8B to 397B-A17B, with its published shapes),
+  whose token ids come from :mod:`epd.tokenizer_build`.
 * ``create_checkpoint``: a Hugging Face checkpoint with transformers' own random
   init, written by our own safetensors writer, loadable by the family's
-  ``...ForConditionalGeneration.from_pretrained`` (the correctness oracle).
+  ``...ForConditionalGeneration.from_pretrained`` (the correctness oracle); refused first by
+  ``check_can_create`` (RAM and disk, from ``epd.memory_plan``) before anything is allocated.
   Which transformers classes a ``model_type`` uses is :mod:`epd.family`'s table.
 * ``read_config`` / ``load_tensors`` / ``build_vision_model`` /
   ``build_text_model``: the loading path shared by our presets and real
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from epd import memory_plan
 from epd.family import EXPERTS_IMPLEMENTATION, FAMILIES, Family, family_of, family_of_config
 from epd.tokenizer_build import build_tokenizer, special_token_ids
 
@@ -105,8 +107,8 @@ def _token_config(ids: dict[str, int]) -> dict:
     }
 
 
-def _make_config(text: dict, vision: dict, initializer_range: float, family: Family = FAMILIES["qwen3_5"]
-                 ) -> PreTrainedConfig:
+def _make_config(text: dict, vision: dict, initializer_range: float, family: Family = FAMILIES["qwen3_5"],
+                 tied: bool = True) -> PreTrainedConfig:
     tokenizer = build_tokenizer()
     ids = special_token_ids(tokenizer)
     text = dict(text)
@@ -117,7 +119,7 @@ def _make_config(text: dict, vision: dict, initializer_range: float, family: Fam
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=None,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         initializer_range=initializer_range,
         layer_types=_layer_types(text["num_hidden_layers"]),
         hidden_act="silu",
@@ -129,7 +131,7 @@ def _make_config(text: dict, vision: dict, initializer_range: float, family: Fam
         architectures=[family.architecture],  # as published checkpoints say (vLLM reads it)
         text_config=text,
         vision_config=vision,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         dtype="float32",
         **_token_config(ids),
     )
@@ -204,40 +206,67 @@ def _tiny_hd64() -> PreTrainedConfig:
     return config
 
 
-def _qwen35_0_8b() -> PreTrainedConfig:
+# --- the published family -------------------------------------------------------------------
+# Shapes as each model's config.json on the Hugging Face Hub publishes them (Qwen/Qwen3.5-<size>,
+# main). Read from public copies, cross-checked where two disagreed: p-doom/omegalax
+# omegalax/models/qwen3_5/config.py (every size, dense and MoE, and the three vision towers), a
+# Chandra/Qwen3.6-27B config.json fixture (4B and 27B text and vision, verbatim config.json), a
+# simulator's KNOWN_MODEL_METADATA table (35B-A3B and 397B-A17B text, incl. linear heads), an NPU
+# run script (122B-A10B: 16 key / 64 value linear heads) and Megatron-style vision variant tables
+# (small 0.8B, medium 2B/4B, large 9B/27B/MoE). One disagreement: a Megatron-Bridge test fixture
+# gives 397B-A17B shared_expert_intermediate_size 4096 ("a sample ... configuration"); two copies
+# of the published config give 1024, kept here. Common to all: head_dim 256, linear key/value head
+# dims 128 with 16 key heads, conv kernel 4, full attention every fourth layer, vocab 248320,
+# 262,144-token window, M-RoPE sections [11, 11, 10] over a quarter of each head, theta 1e7,
+# vision patch 16, merge 2, temporal patch 2, 2304 position embeddings. Token ids stay epd's own
+# tokenizer's (tokenizer_build): only the shapes are the published ones.
+
+_VISION_TOWERS = {  # depth, hidden, MLP width, heads
+    "small": dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12),  # 0.8B
+    "medium": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16),  # 2B, 4B
+    "large": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16),  # 9B, 27B, MoE
+}
+
+
+def _published(hidden: int, layers: int, heads: int, kv_heads: int, linear_v_heads: int, tower: str,
+               tied: bool, intermediate: int = 0, experts: tuple[int, int, int, int] | None = None
+               ) -> PreTrainedConfig:
+    """A published size: ``experts`` = (num_experts, num_experts_per_tok, moe_intermediate_size,
+    shared_expert_intermediate_size) for a MoE model, else the dense MLP's ``intermediate``."""
     text = dict(
-        hidden_size=1024,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        intermediate_size=3584,
-        vocab_size=248320,
-        max_position_embeddings=262144,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=linear_v_heads,
+        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     )
-    vision = dict(
-        depth=12,
-        hidden_size=768,
-        intermediate_size=3072,
-        num_heads=12,
-        out_hidden_size=1024,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-    )
-    return _make_config(text, vision, initializer_range=0.02)
+    family = FAMILIES["qwen3_5"]
+    if experts is None:
+        text["intermediate_size"] = intermediate
+    else:
+        family = FAMILIES["qwen3_5_moe"]
+        num, top_k, width, shared = experts
+        text.update(num_experts=num, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    shared_expert_intermediate_size=shared)
+    vision = dict(_VISION_TOWERS[tower], out_hidden_size=hidden, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=2304)
+    return _make_config(text, vision, initializer_range=0.02, family=family, tied=tied)
+
+
+def _qwen35_0_8b() -> PreTrainedConfig:
+    return _published(1024, 24, 8, 2, 16, "small", tied=True, intermediate=3584)
+
+
+PUBLISHED: dict[str, Callable[[], PreTrainedConfig]] = {
+    "qwen3.5-0.8b": _qwen35_0_8b,
+    "qwen3.5-2b": lambda: _published(2048, 24, 8, 2, 16, "medium", tied=True, intermediate=6144),
+    "qwen3.5-4b": lambda: _published(2560, 32, 16, 4, 32, "medium", tied=True, intermediate=9216),
+    "qwen3.5-9b": lambda: _published(4096, 32, 16, 4, 32, "large", tied=False, intermediate=12288),
+    "qwen3.5-27b": lambda: _published(5120, 64, 24, 4, 48, "large", tied=False, intermediate=17408),
+    "qwen3.5-35b-a3b": lambda: _published(2048, 40, 16, 2, 32, "large", tied=False, experts=(256, 8, 512, 512)),
+    "qwen3.5-122b-a10b": lambda: _published(3072, 48, 32, 2, 64, "large", tied=False, experts=(256, 8, 1024, 1024)),
+    "qwen3.5-397b-a17b": lambda: _published(4096, 60, 32, 2, 64, "large", tied=False, experts=(512, 10, 1024, 1024)),
+}
 
 
 PRESETS: dict[str, Callable[[], PreTrainedConfig]] = {
@@ -245,7 +274,7 @@ PRESETS: dict[str, Callable[[], PreTrainedConfig]] = {
     "tiny-32k": _tiny_32k,
     "tiny-hd64": _tiny_hd64,
     "tiny-moe": _tiny_moe,
-    "qwen3.5-0.8b": _qwen35_0_8b,
+    **PUBLISHED,
 }
 
 
@@ -329,25 +358,64 @@ def _generation_config(config: PreTrainedConfig) -> dict:
     }
 
 
-def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progress: bool) -> None:
+def creation_need(config: PreTrainedConfig, what: str = "a random checkpoint") -> memory_plan.Need:
+    """What creating a random checkpoint of ``config`` holds at once: transformers builds the
+    whole model in float32 (the state dict shares its tensors, the writer streams them), plus
+    1 GiB for the Python process, torch and the tokenizer."""
+    params = memory_plan.count_params(json.loads(config.to_json_string()))
+    return memory_plan.Need(what, "float32", {"weights": params.total * 4, "process": memory_plan.GIB})
+
+
+def check_can_create(preset: str, out_dir, available_ram: int | None = None, available_disk: int | None = None
+                     ) -> memory_plan.Need:
+    """Raise ``DoesNotFit`` (before anything is allocated) when this host's free RAM, or the free
+    disk where ``out_dir`` goes, cannot hold a random checkpoint of ``preset``."""
+    what = f"a random {preset} checkpoint"
+    hint = "pass --config-only to write its config and tokenizer alone"
+    need = creation_need(config_from_name(preset), what)
+    ram = memory_plan.host_available() if available_ram is None else available_ram
+    memory_plan.check_fits(need, ram, "this host's RAM", hint)
+    if available_disk is None:
+        probe = pathlib.Path(out_dir).resolve()
+        while not probe.exists():
+            probe = probe.parent
+        available_disk = shutil.disk_usage(probe).free
+    weights = memory_plan.Need(what, "float32", {"safetensors files": need.parts["weights"]})
+    memory_plan.check_fits(weights, available_disk, f"the disk under {out_dir}", hint)
+    return need
+
+
+def _write_metadata_files(config: PreTrainedConfig, out_dir: pathlib.Path) -> None:
+    config.save_pretrained(out_dir)
+    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
+    build_tokenizer().save_pretrained(out_dir)  # also writes chat_template.jinja
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
+
+
+def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progress: bool,
+                            config_only: bool) -> None:
     config = config_from_name(preset)
+    if config_only:  # config + tokenizer: enough for memory planning and placement, no weights
+        _write_metadata_files(config, out_dir)
+        return
     torch.manual_seed(seed)
     model = family_of_config(config).conditional_generation(config).float().eval()
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop(LM_HEAD, None)  # tied: the embedding is the head
     del model  # the state dict keeps the tensors; drop the module graph early
-    config.save_pretrained(out_dir)
-    (out_dir / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
+    _write_metadata_files(config, out_dir)
     save_weights(state, out_dir, progress=progress)
-    build_tokenizer().save_pretrained(out_dir)  # also writes chat_template.jinja
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
-    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
 
 
 def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True,
-                      overwrite: bool = False) -> pathlib.Path:
+                      overwrite: bool = False, config_only: bool = False) -> pathlib.Path:
     """Create a random-weight checkpoint of ``preset`` in ``out_dir``; returns the path.
+
+    ``config_only``: write config.json, the tokenizer and the processor config but no weights (a
+    checkpoint for memory planning and placement, of any size). Otherwise ``check_can_create``
+    refuses first, with ``DoesNotFit``, a preset this host's RAM or disk cannot hold.
 
     Files are written to a sibling temp dir and renamed into place, so an
     interrupted create never leaves a half checkpoint behind. An existing
@@ -356,11 +424,13 @@ def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True
     out_dir = pathlib.Path(out_dir).resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+    if not config_only:
+        check_can_create(preset, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it 0700; a checkpoint should be readable by other users
     try:
-        _write_checkpoint_files(preset, tmp, seed, progress)
+        _write_checkpoint_files(preset, tmp, seed, progress, config_only)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -166,7 +166,7 @@ class TextModelRunner:
                 shapes[f"recurrent.{index}"] = (1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
             else:
                 attn = layer.self_attn
-                kv_heads = self.model.config.num_key_value_heads
+                kv_heads = attn.k_proj.out_features // attn.head_dim  # this rank's, under tensor parallelism
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
 

@@ -15,14 +15,14 @@ import time
 
 import grpc
 
-from epd import discovery, errors, handoff, rpc
+from epd import discovery, errors, handoff, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
-from epd.tensors import configure_threads
+from epd.tensors import configure_threads, default_device
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.sampling import check_vocab
 from epd.wire import logprobs_to_proto, sampling_from_proto
@@ -122,6 +122,8 @@ class PrefillServer(rpc.RoleServer):
         rpc.configure(serve.rpc)
         config = serve.prefill
         configure_threads(config.num_threads, config.cpus)
+        # before a weight is read: a model or budget that cannot fit is refused in one line
+        memory_plan.check_role(serve.model_dir, "prefill", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config)

@@ -34,6 +34,30 @@ def test_decode_step_report_is_complete_and_consistent(tiny_model_dir, tmp_path,
     assert report["machine"]["cpus"] >= 1 and report["dtype"] == "float32"
 
 
+def test_moe_floor_counts_only_the_experts_the_steps_chose(tiny_moe_model_dir, tmp_path):
+    """A MoE model's floor: the dense bytes + the distinct experts its tokens chose x one expert's
+    bytes. At batch 1 that is top_k per layer, the bytes epd.memory_plan counts per token; at
+    batch 8 (prompts of their own) more experts are read, never more than all of them."""
+    from epd import memory_plan
+
+    out = tmp_path / "step.json"
+    assert cli.main(["bench", "decode-step", "--model", tiny_moe_model_dir, "--batch-sizes", "1,8",
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    moe, (one, eight) = report["moe"], report["steps"]
+    raw = memory_plan.read_raw_config(tiny_moe_model_dir)
+    text = raw["text_config"]
+    assert moe["moe_layers"] == text["num_hidden_layers"]
+    assert moe["expert_bytes"] == 3 * text["hidden_size"] * text["moe_intermediate_size"] * 4
+    assert one["experts_read_per_step"] == moe["moe_layers"] * text["num_experts_per_tok"]
+    assert one["weight_bytes_read"] == memory_plan.active_bytes_per_token(raw, "float32")
+    assert one["experts_read_per_step"] < eight["experts_read_per_step"] <= moe["moe_layers"] * text["num_experts"]
+    for row in (one, eight):
+        assert row["weight_bytes_read"] == moe["dense_bytes"] + row["experts_read_per_step"] * moe["expert_bytes"]
+        assert abs(row["ratio_to_floor"] - row["step_s"] / row["floor_s"]) < 1e-9
+    assert one["floor_s"] < eight["floor_s"] < report["floor_s"] * 1.0000001
+
+
 def test_decode_step_rejects_a_missing_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "decode-step", "--model", str(tmp_path), "--batch-sizes", "1"])
