@@ -49,18 +49,23 @@ MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_CHOICES = 16  # n: each choice is a request of its own
 OFF_LOOP_BYTES = 256 * 1024
 """A JSON body or data: URL at least this large is parsed on the loop's executor, not on the loop."""
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
+    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
 }
 # POST /v1/completions' fields (the legacy API; None counts as absent).
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
     "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -613,7 +618,76 @@ def _sampling_params(body: dict, max_tokens_limit: int) -> epd_pb2.SamplingParam
         sampling.stop.extend(stops)
     sampling.ignore_eos = _bool(body, "ignore_eos")
     _logits_processing(body, sampling)
+    structured = _structured(body)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     return sampling
+
+
+def _structured(body: dict) -> epd_pb2.StructuredOutput | None:
+    """OpenAI's ``response_format`` (text, json_object, json_schema), vLLM's ``structured_outputs``
+    (json, regex, choice, grammar, json_object) or its older ``guided_*`` fields, as one
+    ``StructuredOutput`` (None: unconstrained). At most one constraint per request. Whether a schema,
+    regex or grammar is valid is the request path's check (``epd.grammar``: 400 naming the problem)."""
+    found: list[tuple[str, str, object]] = []  # (field as the client named it, kind, value)
+    if "response_format" in body:
+        fmt = body["response_format"]
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise HttpError(400, 'response_format must be an object with a type: "text", "json_object" or '
+                            '"json_schema"', param="response_format")
+        kind = fmt["type"]
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+                raise HttpError(400, 'response_format.json_schema must be {"name": ..., "schema": {...}}',
+                                param="response_format")
+            unknown = sorted(set(spec) - {"name", "schema", "json_schema", "strict", "description"})
+            if unknown:
+                raise HttpError(400, f"response_format.json_schema: {', '.join(unknown)} not supported by this "
+                                "server", param="response_format", code="unsupported_parameter")
+            found.append(("response_format", "json_schema", spec.get("schema", spec.get("json_schema"))))
+        elif kind == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif kind != "text":
+            raise HttpError(400, f"response_format.type {kind!r} is not supported by this server (text, json_object "
+                            "or json_schema)", param="response_format", code="unsupported_parameter")
+    if "structured_outputs" in body:
+        spec = _object(body, "structured_outputs", set(STRUCTURED_KINDS))
+        for key in STRUCTURED_KINDS:
+            if key in spec and not (key == "json_object" and spec[key] is False):
+                found.append((f"structured_outputs.{key}", STRUCTURED_KINDS[key], spec[key]))
+    for key in ("json", "regex", "choice", "grammar"):
+        if f"guided_{key}" in body:
+            found.append((f"guided_{key}", STRUCTURED_KINDS[key], body[f"guided_{key}"]))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise HttpError(400, f"{found[0][0]} and {found[1][0]}: send one structured output per request",
+                        param=found[1][0].split(".")[0])
+    name, kind, value = found[0]
+    out = epd_pb2.StructuredOutput()
+    param = name.split(".")[0]
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            text = value
+        elif isinstance(value, (dict, bool)):
+            text = json.dumps(value)
+        else:
+            raise HttpError(400, f"{name} must be a JSON Schema (an object)", param=param)
+        out.json_schema = text
+    elif kind == "json_object":
+        if value is not True:
+            raise HttpError(400, f"{name} must be true", param=param)
+        out.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise HttpError(400, f"{name} must be a non-empty list of strings", param=param)
+        out.choice.values.extend(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise HttpError(400, f"{name} must be a non-empty string", param=param)
+        setattr(out, kind, value)
+    return out
 
 
 def _cache_salt(body: dict) -> str:
