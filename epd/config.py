@@ -305,6 +305,9 @@ class HttpConfig:
     """Redirects followed per image URL (each hop is checked like the first)."""
     body_timeout_s: float = 30.0
     """Seconds a client may take to send a request body; slower: 408 and the connection is closed."""
+    reasoning_parser: str = ""
+    """vLLM's --reasoning-parser: "qwen3" splits what an answer has before </think> into the message's
+    reasoning_content (streamed as reasoning_content deltas); empty: off, the answer is all content."""
     max_open_requests: int = 0
     """HTTP requests one router's front carries at once (reading, waiting, streaming); more are
     answered 429 with Retry-After at once. 0: 4 x --max-queued-requests + 256 when that is set, else 4096."""

@@ -40,8 +40,23 @@ def tokenizer(model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
     250k vocabulary). ``vocab_size`` is the language model's (its logits' width), which may be
     larger than the tokenizer's; ids past the tokenizer's are never allowed."""
     with open(os.path.join(model_dir, "tokenizer.json")) as f:
-        spec = f.read()
-    return _llg().LLTokenizer(spec, n_vocab=vocab_size or None, eos_token=list(eos_token_ids) or None)
+        spec = json.load(f)
+    return _llg().LLTokenizer(json.dumps(_without_text_tokens(spec)), n_vocab=vocab_size or None,
+                              eos_token=list(eos_token_ids) or None)
+
+
+def _without_text_tokens(spec: dict) -> dict:
+    """The tokenizer as llguidance should read it. llguidance 1.9.1 takes every added token for a
+    special one (allowed only by id), yet when a grammar forces text such as ``<tool_call>`` it
+    tokenizes that text into the added token and then refuses the very token it allowed. So each
+    non-special added token (Qwen's ``<think>``, ``</think>``, the tool-call markers) keeps its id
+    under a name no text can produce: under a grammar the model writes those markers as ordinary
+    text tokens (the same characters), and mask and matcher agree on every token."""
+    for token in spec.get("added_tokens") or []:
+        if not token.get("special"):
+            token["content"] = f"<|\u0000epd-text-token-{token['id']}|>"
+            token["special"] = True
+    return spec
 
 
 def tokenizer_for(info) -> object:

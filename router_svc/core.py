@@ -148,11 +148,13 @@ class RouterCore:
         if request.prompt or request.prompt_token_ids:  # a completion: no template, no images
             if request.messages:
                 raise ValueError("send messages (a chat) or prompt / prompt_token_ids (a completion), not both")
+            if request.tools_json:
+                raise ValueError("tools need messages (a chat): a completion has no chat template")
             run.prompt = prompt = await loop.run_in_executor(None, self.builder.build_completion, request.prompt,
                                                              request.prompt_token_ids)
         else:
             run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
-                                                             request.enable_thinking)
+                                                             request.enable_thinking, True, request.tools_json)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
         if on_accepted is not None:

@@ -39,6 +39,8 @@ from epd import limits, logs, rpc
 from epd.config import HttpConfig, RouterConfig
 from epd.metrics import render
 from epd.v1 import epd_pb2
+from router_svc import chat_output
+from router_svc.chat_output import AnswerParser
 from router_svc.core import RouterCore
 from router_svc.media import MediaError, MediaLoader
 from router_svc.stats import RequestStats
@@ -60,6 +62,7 @@ SUPPORTED = {
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
+    "tools", "tool_choice", "parallel_tool_calls",
 }
 # POST /v1/completions' fields (the legacy API; None counts as absent).
 COMPLETION_FIELDS = {
@@ -132,6 +135,15 @@ class ChatOptions:
     token_ids: bool = False
     n: int = 1  # choices: n requests run concurrently (seeds seed, seed + 1, ...)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    tools: list | None = None  # parse the answer's tool calls against these (tool_choice auto)
+    single_call: bool = False  # parallel_tool_calls: false
+    reasoning: bool = False  # the server's reasoning parser is on
+    in_reasoning: bool = False  # ... and the prompt opened a think block (enable_thinking)
+
+    def parser(self) -> AnswerParser | None:
+        if self.tools is None and not self.reasoning:
+            return None
+        return AnswerParser(self.reasoning, self.in_reasoning, self.tools, 1 if self.single_call else None)
 
 
 @dataclass(frozen=True)
@@ -495,8 +507,14 @@ class HttpFront:
             raise HttpError(400, "user must be a string", param="user")
         request.cache_salt = _cache_salt(body)
         request.messages.extend(await self._messages(body.get("messages")))
+        tools, parse_tools = _tools(body)
+        if tools:
+            request.tools_json = json.dumps(tools)
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous)
+                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous,
+                              tools=tools if parse_tools else None,
+                              single_call=body.get("parallel_tool_calls") is False,
+                              reasoning=bool(self.config.reasoning_parser), in_reasoning=request.enable_thinking)
         request.return_prompt_token_ids = options.token_ids
         return request, options
 
@@ -534,11 +552,14 @@ class HttpFront:
             where = f"messages[{m_index}]"
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise HttpError(400, f"{where} must be an object with a string role", param="messages")
-            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content", "name"})
+            extra = sorted(set(k for k, v in message.items() if v is not None)
+                           - {"role", "content", "name", "tool_calls", "tool_call_id"})
             if extra:
                 raise HttpError(400, f"{where}: {', '.join(extra)} not supported by this server", param="messages",
                                 code="unsupported_parameter")
             content = message.get("content")
+            if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+                content = ""  # a turn of calls only (OpenAI sends content null)
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(parts, list):
                 raise HttpError(400, f"{where}.content must be a string or a list of parts", param="messages")
@@ -546,6 +567,7 @@ class HttpFront:
             if name is not None and not isinstance(name, str):
                 raise HttpError(400, f"{where}.name must be a string", param="messages")
             chat = epd_pb2.ChatMessage(role=message["role"], name=name or "")
+            _message_tools(message, chat, where)
             for p_index, part in enumerate(parts):
                 here = f"{where}.content[{p_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -688,6 +710,57 @@ def _structured(body: dict) -> epd_pb2.StructuredOutput | None:
             raise HttpError(400, f"{name} must be a non-empty string", param=param)
         setattr(out, kind, value)
     return out
+
+
+def _tools(body: dict) -> tuple[list | None, bool]:
+    """``tools`` and ``tool_choice``: the tools (rendered by the chat template; their shape is the
+    request path's check) and whether the answer's calls are parsed (``auto``, the default; not
+    with ``none``). ``required`` and a named function are refused: nothing here forces a call."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if "parallel_tool_calls" in body:
+        _bool(body, "parallel_tool_calls")
+    if tools is None:
+        if choice != "none":
+            raise HttpError(400, "tool_choice needs tools", param="tool_choice")
+        return None, False
+    if not isinstance(tools, list) or not tools:
+        raise HttpError(400, "tools must be a non-empty list of functions", param="tools")
+    if choice == "required" or isinstance(choice, dict):
+        raise HttpError(400, "tool_choice 'required' or a named function is not supported by this server: use "
+                        "'auto' (the model decides) or 'none'", param="tool_choice", code="unsupported_parameter")
+    if choice not in ("auto", "none"):
+        raise HttpError(400, "tool_choice must be 'auto', 'none', 'required' or a named function",
+                        param="tool_choice")
+    return tools, choice == "auto"
+
+
+def _message_tools(message: dict, chat: epd_pb2.ChatMessage, where: str) -> None:
+    """An assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` into ``chat``."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise HttpError(400, f"{where}.tool_calls must be a list", param="messages")
+        for c_index, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise HttpError(400, f'{where}.tool_calls[{c_index}] must be {{"id", "type": "function", "function": '
+                                '{"name": STR, "arguments": JSON TEXT}}', param="messages")
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, dict):
+                arguments = json.dumps(arguments)
+            if not isinstance(arguments, str):
+                raise HttpError(400, f"{where}.tool_calls[{c_index}].function.arguments must be a JSON text",
+                                param="messages")
+            call_id = call.get("id") or ""
+            if not isinstance(call_id, str):
+                raise HttpError(400, f"{where}.tool_calls[{c_index}].id must be a string", param="messages")
+            chat.tool_calls.append(epd_pb2.ToolCall(id=call_id, name=function["name"], arguments=arguments))
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise HttpError(400, f"{where}.tool_call_id must be a string", param="messages")
+        chat.tool_call_id = call_id
 
 
 def _cache_salt(body: dict) -> str:
@@ -950,8 +1023,20 @@ class _ChatCall:
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
     def _whole_choice(self, index: int, got: _Collected) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": "".join(got.text)},
-                  "logprobs": None, "finish_reason": _finish(got.summary), "stop_reason": _stop_reason(got.summary)}
+        message = {"role": "assistant", "content": "".join(got.text)}
+        finish = _finish(got.summary)
+        parser = self.options.parser()
+        if parser is not None:
+            split = chat_output.whole(message["content"], parser)
+            message["content"] = split["content"]
+            if self.options.reasoning:
+                message["reasoning_content"] = split["reasoning_content"]
+            if self.options.tools is not None:
+                message["tool_calls"] = split["tool_calls"]
+                if split["tool_calls"]:
+                    finish = "tool_calls"
+        choice = {"index": index, "message": message,
+                  "logprobs": None, "finish_reason": finish, "stop_reason": _stop_reason(got.summary)}
         if self.options.logprobs:
             choice["logprobs"] = {"content": self.front.logprobs_json(got.logprobs, self.options, got.token_ids)}
         if self.options.token_ids:
@@ -966,7 +1051,11 @@ class _ChatCall:
                  "finish_reason": None}]
 
     def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
-        choice = {"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+        if "parser" not in state:
+            state["parser"] = self.options.parser()
+        parser = state["parser"]
+        delta = {"content": chunk.text} if parser is None else _merge(parser.feed(chunk.text))
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         if self.options.logprobs:
             choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options, chunk.token_ids)}
         if self.options.token_ids:
@@ -974,7 +1063,11 @@ class _ChatCall:
         return choice
 
     def _final_choice(self, index: int, summary, state: dict) -> dict:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish(summary),
+        parser = state.get("parser")
+        delta = {} if parser is None else _merge(parser.finish())
+        finish = "tool_calls" if parser is not None and parser.calls and self.options.tools is not None \
+            else _finish(summary)
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
                 "stop_reason": _stop_reason(summary)}
 
     def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
@@ -1174,6 +1267,18 @@ async def _all(awaitables: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _merge(deltas: list[dict]) -> dict:
+    """An answer parser's deltas for one piece as one chunk's delta."""
+    out: dict = {}
+    for delta in deltas:
+        for kind, value in delta.items():
+            if kind == "tool_calls":
+                out.setdefault(kind, []).extend(value)
+            else:
+                out[kind] = out.get(kind, "") + value
+    return out
 
 
 def _stop_reason(summary) -> str | int | None:

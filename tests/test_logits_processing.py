@@ -480,3 +480,62 @@ def test_a_structured_resume_masks_what_decode_did(stack, oracle, info, tiny_mod
                 assert engine.run(request, config).first_token == answer[k], (sampling, k)
     finally:
         engine.stop()
+
+
+# ---------------------------------------------------------------- tools
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+FORCED_CALL = r"<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n" \
+              r"[1-9]\n</parameter>\n</function>\n</tool_call>"
+
+
+def _template_ids(oracle, messages, tools) -> list[int]:
+    ids = oracle.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                                               enable_thinking=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_a_tool_conversation_round_trips_through_the_openai_client(stack, oracle):
+    """tools -> an answer whose call (forced here with a regex: a random-weight model calls nothing
+    by itself) comes back as tool_calls with finish_reason tool_calls, streamed and not -> the call
+    and a role "tool" reply in the history -> a final answer. Each prompt is token for token what
+    transformers' apply_chat_template(..., tools=...) gives."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=160,
+        extra_body={"guided_regex": FORCED_CALL, "return_token_ids": True})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert reply.prompt_token_ids == _template_ids(oracle, messages, WEATHER_TOOLS)
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] == "Paris" and 1 <= arguments["days"] <= 9
+    chunks = list(stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=160, stream=True,
+        extra_body={"guided_regex": FORCED_CALL}))
+    streamed = [c for chunk in chunks if chunk.choices for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Without tools the same text is content (no parser runs).
+    plain = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=160,
+                                                 extra_body={"guided_regex": FORCED_CALL})
+    assert plain.choices[0].message.content.startswith("<tool_call>") and plain.choices[0].finish_reason == "stop"
+    # The second turn: the call and its result in the history, then a final answer.
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
+    final = stack.openai.chat.completions.create(model=MODEL, messages=history, tools=WEATHER_TOOLS, max_tokens=8,
+                                                 extra_body={"return_token_ids": True})
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+    expected = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        history[-1]]
+    assert final.prompt_token_ids == _template_ids(oracle, expected, WEATHER_TOOLS)
+    # Refused by name: a forced call, and tool_choice without tools.
+    for extra in ({"tools": WEATHER_TOOLS, "tool_choice": "required"}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
+        assert "tool_choice" in refused.value.body["message"]
