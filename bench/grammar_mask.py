@@ -65,13 +65,14 @@ def run(model_dir: str, batches=(1, 8, 16), steps: int = 40) -> dict:
         with_mask, without = [], []
         for step in range(steps):
             logits = torch.randn(batch, vocab, generator=generator) * 3
+            for row, state in enumerate(states):  # a finished row starts over (untimed): every row mid-answer
+                if state.is_complete():
+                    states[row] = grammar.GrammarState(tokenizer, compiled)
             t0 = time.perf_counter()
             for row in range(batch):
                 sample(logits[row], plain, step, eos_token_ids=eos)
             t1 = time.perf_counter()
             for row, state in enumerate(states):
-                if state.is_complete():  # a finished row starts over: every row stays mid-answer
-                    states[row] = state = grammar.GrammarState(tokenizer, compiled)
                 sample(logits[row], guided, step, eos_token_ids=eos, grammar=state)
             t2 = time.perf_counter()
             without.append(t1 - t0)

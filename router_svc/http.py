@@ -73,7 +73,7 @@ COMPLETION_FIELDS = {
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                 "return_token_strs", "chat_template_kwargs", "mm_processor_kwargs"}
+                 "return_token_strs", "chat_template_kwargs", "mm_processor_kwargs", "tools"}
 try:
     VERSION = importlib.metadata.version("epd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -315,8 +315,9 @@ class HttpFront:
                 max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
                 messages = await self._messages(body.get("messages"))
+                tools, _ = _tools({"tools": body["tools"], "tool_choice": "none"}) if "tools" in body else (None, 0)
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
-                                                    generation)
+                                                    generation, json.dumps(tools) if tools else "")
                 ids = prompt.token_ids
             elif "prompt" in body:
                 _refuse_unknown(body, TOKENIZE_TEXT)
