@@ -328,6 +328,8 @@ class HttpConfig:
         _check_range(self.media_fetch_timeout_s, 0.1, 600, "http.media_fetch_timeout_s")
         _check_range(self.media_max_mb, 0.001, 1024, "http.media_max_mb")
         _check_range(self.media_max_redirects, 0, 20, "http.media_max_redirects")
+        _check(self.reasoning_parser in ("", "qwen3"), "http.reasoning_parser",
+               f"must be qwen3 or empty (off), got {self.reasoning_parser!r}")
         for host in self.allowed_media_domains:
             _check(_is_ip(host) or (bool(host) and all(c.isalnum() or c in "-._" for c in host)),
                    "http.allowed_media_domains", f"expected host names or IP addresses (no port), got {host!r}")

@@ -82,3 +82,30 @@ def test_reasoning_is_split_at_think_end_whole_and_streamed(step):
     # Reasoning, then a call.
     both = whole("plan</think>\n\n" + CALLS, AnswerParser(reasoning=True, in_reasoning=True, tools=TOOLS))
     assert both["reasoning_content"] == "plan" and len(both["tool_calls"]) == 2
+
+
+def test_the_chat_response_carries_the_split_whole_and_streamed():
+    """The HTTP front's response shapes with the parsers on: reasoning_content and content, the
+    calls as tool_calls with finish_reason tool_calls; off, the text is content as it came."""
+    from epd.v1 import epd_pb2
+    from router_svc.http import ChatOptions, _ChatCall, _Collected
+
+    eos = epd_pb2.Summary(finish_reason="eos")
+    text = ["plan: weather", "</think>\n\n", CALLS[:40], CALLS[40:]]
+    options = ChatOptions(reasoning=True, in_reasoning=True, tools=TOOLS)
+    call = _ChatCall(None, epd_pb2.GenerateRequest(), options, "chatcmpl-1")
+    choice = call._whole_choice(0, _Collected(text=list(text), summary=eos))
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and message["reasoning_content"] == "plan: weather"
+    assert message["content"] == "\n\nLet me look.\n\n" and len(message["tool_calls"]) == 2
+    state: dict = {}
+    deltas = [call._delta_choice(0, epd_pb2.TokenChunk(text=piece, token_ids=[1]), state)["delta"] for piece in text]
+    final = call._final_choice(0, eos, state)
+    assert final["finish_reason"] == "tool_calls"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "plan: weather"
+    assert [c["function"]["name"] for d in deltas + [final["delta"]] for c in d.get("tool_calls", [])] == \
+        ["get_weather", "now"]
+    plain = _ChatCall(None, epd_pb2.GenerateRequest(), ChatOptions(), "chatcmpl-2")
+    whole_plain = plain._whole_choice(0, _Collected(text=list(text), summary=eos))
+    assert whole_plain["message"] == {"role": "assistant", "content": "".join(text)}
+    assert whole_plain["finish_reason"] == "stop"
