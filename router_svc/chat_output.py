@@ -178,3 +178,37 @@ def whole(text: str, parser: AnswerParser) -> dict:
     return {"content": None if parser.calls and not content.strip() else content,
             "reasoning_content": "".join(parts["reasoning_content"]) if parts["reasoning_content"] else None,
             "tool_calls": parser.calls}
+
+
+def forced_calls_grammar(tools: list, name: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) for ``tool_choice`` ``required`` (``name`` None: any of
+    the tools) or a named function: the answer is one call in Qwen3.5's format (or several, one per
+    line, when ``parallel``): the schema's required parameters once each, in order, then any of its
+    optional ones; a value is one line of up to 100 characters without ``<`` (the parser types it
+    by the schema as any other call's)."""
+    rules, alternatives = [], []
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+        properties = parameters.get("properties")
+        keys = [key for key in properties if isinstance(key, str)] if isinstance(properties, dict) else []
+        listed = parameters.get("required") if isinstance(parameters.get("required"), list) else []
+        required = [key for key in listed if key in keys]
+        optional = [key for key in keys if key not in required]
+        head = json.dumps(f"<tool_call>\n<function={function['name']}>\n")
+        tail = json.dumps("</function>\n</tool_call>")
+        body = [head]
+        for key in required:  # each required parameter once, in the schema's order
+            body.append(json.dumps(f"<parameter={key}>\n") + ' VALUE "\\n</parameter>\\n"')
+        if optional:
+            body.append(f"opt_{index}*")
+            rules.append(f'opt_{index}: "<parameter=" KEY_{index} ">\\n" VALUE "\\n</parameter>\\n"')
+            rules.append(f"KEY_{index}: " + " | ".join(json.dumps(key) for key in optional))
+        rules.append(f"call_{index}: " + " ".join(body + [tail]))
+        alternatives.append(f"call_{index}")
+    if not alternatives:
+        raise ValueError(f"tool_choice names {name!r}, which is not one of the tools")
+    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    return "\n".join([start, "call: " + " | ".join(alternatives), *rules, 'VALUE: /[^<\\n]{1,100}/'])

@@ -511,6 +511,12 @@ class HttpFront:
         tools, parse_tools = _tools(body)
         if tools:
             request.tools_json = json.dumps(tools)
+        forced = _forced_calls(body, tools)
+        if forced:
+            if sampling.HasField("structured"):
+                raise HttpError(400, "tool_choice 'required' or a named function constrains the answer itself: it "
+                                "cannot be combined with a structured output", param="tool_choice")
+            sampling.structured.grammar = forced
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
                               token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous,
                               tools=tools if parse_tools else None,
@@ -716,7 +722,7 @@ def _structured(body: dict) -> epd_pb2.StructuredOutput | None:
 def _tools(body: dict) -> tuple[list | None, bool]:
     """``tools`` and ``tool_choice``: the tools (rendered by the chat template; their shape is the
     request path's check) and whether the answer's calls are parsed (``auto``, the default; not
-    with ``none``). ``required`` and a named function are refused: nothing here forces a call."""
+    with ``none``; ``required`` and a named function are also forced: ``_forced_calls``)."""
     tools = body.get("tools")
     choice = body.get("tool_choice", "auto" if tools else "none")
     if "parallel_tool_calls" in body:
@@ -727,13 +733,36 @@ def _tools(body: dict) -> tuple[list | None, bool]:
         return None, False
     if not isinstance(tools, list) or not tools:
         raise HttpError(400, "tools must be a non-empty list of functions", param="tools")
-    if choice == "required" or isinstance(choice, dict):
-        raise HttpError(400, "tool_choice 'required' or a named function is not supported by this server: use "
-                        "'auto' (the model decides) or 'none'", param="tool_choice", code="unsupported_parameter")
-    if choice not in ("auto", "none"):
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise HttpError(400, 'a named tool_choice is {"type": "function", "function": {"name": STR}}',
+                            param="tool_choice")
+        return tools, True
+    if choice not in ("auto", "none", "required"):
         raise HttpError(400, "tool_choice must be 'auto', 'none', 'required' or a named function",
                         param="tool_choice")
-    return tools, choice == "auto"
+    return tools, choice != "none"
+
+
+def _forced_calls(body: dict, tools: list | None) -> str:
+    """``tool_choice`` ``required`` or a named function: the Lark grammar that makes the answer
+    such a call (``chat_output.forced_calls_grammar``, decoded under llguidance like any
+    structured output); "" otherwise."""
+    choice = body.get("tool_choice")
+    if not tools or not (choice == "required" or isinstance(choice, dict)):
+        return ""
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise HttpError(400, f'tools[{index}] must be {{"type": "function", "function": {{"name": STR, ...}}}}',
+                            param="tools")
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    try:
+        return chat_output.forced_calls_grammar(tools, name, body.get("parallel_tool_calls") is not False)
+    except ValueError as error:
+        raise HttpError(400, str(error), param="tool_choice") from None
 
 
 def _message_tools(message: dict, chat: epd_pb2.ChatMessage, where: str) -> None:

@@ -62,7 +62,9 @@ def test_fields_map_onto_the_request():
 
 @pytest.mark.parametrize("body,status,message", [
     ({"messages": user(), "tools": []}, 400, "tools must be a non-empty list of functions"),
-    ({"messages": user(), "tools": [{}], "tool_choice": "required"}, 400, "tool_choice 'required'"),
+    ({"messages": user(), "tools": [{}], "tool_choice": "required"}, 400, "tools[0] must be"),
+    ({"messages": user(), "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "'g', which is not one of the tools"),
     ({"messages": user(), "tool_choice": "auto"}, 400, "tool_choice needs tools"),
     ({"messages": user(), "response_format": {"type": "yaml"}}, 400, "response_format.type 'yaml' is not supported"),
     ({"messages": user(), "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,

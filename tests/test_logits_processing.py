@@ -534,8 +534,14 @@ def test_a_tool_conversation_round_trips_through_the_openai_client(stack, oracle
         {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
         history[-1]]
     assert final.prompt_token_ids == _template_ids(oracle, expected, WEATHER_TOOLS)
-    # Refused by name: a forced call, and tool_choice without tools.
-    for extra in ({"tools": WEATHER_TOOLS, "tool_choice": "required"}, {"tool_choice": "auto"}):
-        with pytest.raises(openai.BadRequestError) as refused:
-            stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
-        assert "tool_choice" in refused.value.body["message"]
+    # tool_choice a named function (or required): the grammar engine makes the answer that call.
+    named = stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=300, temperature=1.0, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
+    (forced,) = named.choices[0].message.tool_calls
+    assert forced.function.name == "get_weather" and "city" in json.loads(forced.function.arguments)
+    with pytest.raises(openai.BadRequestError) as refused:
+        stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                             extra_body={"tool_choice": "auto"})
+    assert "tool_choice needs tools" in refused.value.body["message"]
