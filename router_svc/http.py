@@ -513,10 +513,10 @@ class HttpFront:
             request.tools_json = json.dumps(tools)
         forced = _forced_calls(body, tools)
         if forced:
-            if sampling.HasField("structured"):
+            if request.sampling.HasField("structured"):
                 raise HttpError(400, "tool_choice 'required' or a named function constrains the answer itself: it "
                                 "cannot be combined with a structured output", param="tool_choice")
-            sampling.structured.grammar = forced
+            request.sampling.structured.grammar = forced
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
                               token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous,
                               tools=tools if parse_tools else None,

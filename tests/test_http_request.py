@@ -399,3 +399,14 @@ def test_a_large_body_and_data_url_are_parsed_off_the_event_loop():
         media_module.decode_data_url = real_decode
     assert messages[0].content[0].image == big
     assert len(threads) == 2 and status_seen[0] not in threads, threads
+
+
+def test_a_named_tool_choice_constrains_the_request_with_its_grammar():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}]
+    request, options = build({"messages": user(), "tools": tools,
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert "<function=f>" in request.sampling.structured.grammar and options.tools == tools
+    assert json.loads(request.tools_json) == tools
+    with pytest.raises(HttpError, match="cannot be combined with a structured output"):
+        build({"messages": user(), "tools": tools, "tool_choice": "required", "guided_regex": "x"})
