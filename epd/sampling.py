@@ -11,7 +11,8 @@ transformers; ``frequency_penalty`` and ``presence_penalty`` over the answer's, 
 takes the argmax of that; sampling then divides by the temperature and applies ``min_p``,
 ``top_k`` and ``top_p``. A structured output's grammar (``epd.grammar``) sets every token it does
 not allow next to -inf (every mask is -inf, so the order of these steps does not matter, except
-that ``min_tokens`` yields where the grammar allows only the end). What the penalties read (``TokenHistory``) is a function of the request's
+that ``min_tokens`` yields where the grammar allows only the end). What the penalties read
+(``TokenHistory``) is a function of the request's
 prompt and its tokens so far, so a request resumed elsewhere samples exactly as it would have.
 Logprobs are those of the raw logits (vLLM's default ``raw_logprobs``).
 """

@@ -69,7 +69,9 @@ def parse_call(block: str, tools: dict[str, dict]) -> dict | None:
     if match is None:
         return None
     name = match.group(1).strip()
-    properties = (tools.get(name) or {}).get("properties") or {}
+    parameters = tools.get(name)
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
     arguments = {key.strip(): _value(value, properties.get(key.strip()))
                  for key, value in _PARAMETER.findall(match.group(2))}
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
@@ -88,7 +90,8 @@ class AnswerParser:
         self.mode = "reasoning" if reasoning and in_reasoning else "content"
         self.tools = None if tools is None else {
             t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
-            if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)}
         self.max_calls = max_calls
         self.buffer = ""
         self.started = False  # any content has gone out (a think block only opens at the start)
