@@ -185,6 +185,9 @@ class PromptBuilder:
     def _tools(self, tools_json: str) -> list | None:
         if not tools_json:
             return None
+        if self.max_text_chars is not None and len(tools_json) > self.max_text_chars:
+            raise ValueError(f"tools are {len(tools_json)} characters, more than a context window of "
+                             f"{self.max_model_len} tokens can hold")
         if not self.renders_tools:
             raise ValueError("tools: this model's chat template does not render tools")
         try:
