@@ -141,6 +141,7 @@ HTTP = (  # the OpenAI-compatible HTTP front of each router
     _flag("--media-max-redirects", "serve.http.media_max_redirects"),
     _flag("--http-body-timeout-s", "serve.http.body_timeout_s"),
     _flag("--http-max-open-requests", "serve.http.max_open_requests"),
+    _flag("--reasoning-parser", "serve.http.reasoning_parser", metavar="qwen3"),
 )
 SERVE = (MODEL, REDIS, _flag("--host", "serve.router.host"), _flag("--port", "serve.router.port"),
          _flag("--num-gpus", "local_gpus"), _flag("--metrics-port", "metrics_port"), *STACK, *SECURITY, *HTTP)

@@ -30,6 +30,7 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
 from epd.config import DecodeConfig
+from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -39,8 +40,12 @@ log = logging.getLogger(__name__)
 
 
 class DecodeEngine:
-    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig) -> None:
+    def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig,
+                 grammar_tokenizer: Callable[[], object] | None = None) -> None:
+        """``grammar_tokenizer``: the checkpoint's llguidance tokenizer (``epd.grammar.tokenizer_for``),
+        asked for on the first structured-output request; without one those are refused."""
         self.runner = runner
+        self._grammar_tokenizer = grammar_tokenizer
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.pool = BlockPool(kv_pool_blocks(runner, config), config.kv_block_tokens)
@@ -93,12 +98,18 @@ class DecodeEngine:
 
     def submit(self, request_id: str, prompt_len: int, rope_delta: int, first_token: int,
                sampling: SamplingConfig, state: HybridState, deadline_unix: float, num_generated: int = 1,
-               history: TokenHistory | None = None, log_id: str = "") -> None:
+               history: TokenHistory | None = None, log_id: str = "",
+               grammar: GrammarState | None = None) -> None:
         """A handed-off request; ``num_generated`` counts the tokens it already produced (the
         last of them is ``first_token``): more than one when a request resumes elsewhere.
-        ``history``: what its penalties read (needed when ``sampling`` has one)."""
+        ``history``: what its penalties read (needed when ``sampling`` has one); ``grammar``: its
+        structured output's state after those tokens (``grammar_state``; needed with a grammar)."""
         if sampling.needs_history and (history is None or len(history.generated) != num_generated):
             raise ValueError(f"request {request_id} has a penalty: it needs its {num_generated} generated tokens")
+        if bool(sampling.grammar) != (grammar is not None) or (grammar is not None
+                                                               and grammar.consumed != num_generated):
+            raise ValueError(f"request {request_id}: its grammar state must have consumed its {num_generated} "
+                             "generated tokens")
         now = time.monotonic()
         request = DecodeRequest(
             request_id=request_id,
@@ -113,10 +124,18 @@ class DecodeEngine:
             resumed=num_generated > 1,
             history=history,
             log_id=log_id,
+            grammar=grammar,
         )
         with self._lock:
             self.scheduler.add(request)
             self._lock.notify()
+
+    def grammar_state(self, grammar: str, generated) -> GrammarState:
+        """A structured output's matcher fed the answer so far (ValueError when the grammar does
+        not compile or the tokens do not match it)."""
+        if self._grammar_tokenizer is None:
+            raise ValueError("this decode worker has no tokenizer for structured outputs")
+        return GrammarState(self._grammar_tokenizer(), grammar, generated)
 
     def claim(self, request_id: str, sink: Callable[[TokenEvent], None]) -> DecodeRequest | None:
         """Send the request's events to ``sink`` (called from the loop thread: it must not block)."""
@@ -256,7 +275,8 @@ class DecodeEngine:
                 continue
             try:
                 token, logprobs = sample(logits[row], request.sampling, step=request.num_generated,
-                                         history=request.history, eos_token_ids=self.eos_token_ids)
+                                         history=request.history, eos_token_ids=self.eos_token_ids,
+                                         grammar=request.grammar)
             except Exception:  # noqa: BLE001 - a request's own sampling failure fails it alone, never the loop
                 log.exception("decode: sampling failed for %s at step %d", request.log_name, request.num_generated)
                 self.scheduler.finish(request, FinishReason.ERROR)

@@ -72,6 +72,7 @@ class DecodeRequest:
     resumed: bool = False  # it had produced tokens elsewhere before (a replay after a preemption or a death)
     swap_bytes: int = 0  # host memory its swapped-out state takes
     history: TokenHistory | None = None  # what its penalties read (epd.sampling), None without one
+    grammar: object | None = None  # a structured output's epd.grammar.GrammarState, at the answer so far
     log_id: str = ""  # the request's public id (epd.logs.REQUEST_ID), which every role's lines name
 
     @property

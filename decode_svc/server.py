@@ -21,6 +21,7 @@ from decode_svc.scheduler import TokenEvent
 from epd import errors, handoff, logs, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
+from epd.grammar import tokenizer_for as grammar_tokenizer_for
 from epd.lm import TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
@@ -65,8 +66,13 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
             received = await loop.run_in_executor(None, receiver.finish)
             header = received.header
             sampling = sampling_from_proto(header.sampling)
-            if sampling.needs_history and len(header.generated_token_ids) != max(1, header.num_generated):
-                raise ValueError("handoff: the request has a penalty but its header lacks generated_token_ids")
+            if sampling.needs_answer and len(header.generated_token_ids) != max(1, header.num_generated):
+                raise ValueError("handoff: the request has a penalty or a grammar but its header lacks "
+                                 "generated_token_ids")
+            grammar = None
+            if sampling.grammar:  # its matcher fed the answer so far (a resumed request's too)
+                grammar = await loop.run_in_executor(None, engine.grammar_state, sampling.grammar,
+                                                     list(header.generated_token_ids))
             await loop.run_in_executor(None, functools.partial(
                 engine.submit,
                 request_id=header.request_id,
@@ -79,6 +85,7 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                 num_generated=max(1, header.num_generated),
                 history=history_for(sampling, header.prompt_token_set, header.generated_token_ids),
                 log_id=logs.REQUEST_ID.get(),
+                grammar=grammar,
             ))
             held = ""
         finally:
@@ -132,7 +139,8 @@ class DecodeServer(rpc.RoleServer):
         memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
         runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
-        self.engine = DecodeEngine(runner, info.eos_token_ids, config)
+        self.engine = DecodeEngine(runner, info.eos_token_ids, config,
+                                   grammar_tokenizer=lambda: grammar_tokenizer_for(info))
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)

@@ -372,6 +372,9 @@ class HttpConfig:
     """Redirects followed per image URL (each hop is checked like the first)."""
     body_timeout_s: float = 30.0
     """Seconds a client may take to send a request body; slower: 408 and the connection is closed."""
+    reasoning_parser: str = ""
+    """vLLM's --reasoning-parser: "qwen3" splits what an answer has before </think> into the message's
+    reasoning_content (streamed as reasoning_content deltas); empty: off, the answer is all content."""
     max_open_requests: int = 0
     """HTTP requests one router's front carries at once (reading, waiting, streaming); more are
     answered 429 with Retry-After at once. 0: 4 x --max-queued-requests + 256 when that is set, else 4096."""
@@ -392,6 +395,8 @@ class HttpConfig:
         _check_range(self.media_fetch_timeout_s, 0.1, 600, "http.media_fetch_timeout_s")
         _check_range(self.media_max_mb, 0.001, 1024, "http.media_max_mb")
         _check_range(self.media_max_redirects, 0, 20, "http.media_max_redirects")
+        _check(self.reasoning_parser in ("", "qwen3"), "http.reasoning_parser",
+               f"must be qwen3 or empty (off), got {self.reasoning_parser!r}")
         for host in self.allowed_media_domains:
             _check(_is_ip(host) or (bool(host) and all(c.isalnum() or c in "-._" for c in host)),
                    "http.allowed_media_domains", f"expected host names or IP addresses (no port), got {host!r}")

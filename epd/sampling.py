@@ -9,7 +9,10 @@ and ``stop_token_ids`` masked while fewer tokens were generated), ``logit_bias``
 penalties (``repetition_penalty`` over the prompt's and the answer's tokens, as vLLM and
 transformers; ``frequency_penalty`` and ``presence_penalty`` over the answer's, as OpenAI). Greedy
 takes the argmax of that; sampling then divides by the temperature and applies ``min_p``,
-``top_k`` and ``top_p``. What the penalties read (``TokenHistory``) is a function of the request's
+``top_k`` and ``top_p``. A structured output's grammar (``epd.grammar``) sets every token it does
+not allow next to -inf (every mask is -inf, so the order of these steps does not matter, except
+that ``min_tokens`` yields where the grammar allows only the end). What the penalties read
+(``TokenHistory``) is a function of the request's
 prompt and its tokens so far, so a request resumed elsewhere samples exactly as it would have.
 Logprobs are those of the raw logits (vLLM's default ``raw_logprobs``).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MAX_LOGPROBS = 20
@@ -26,6 +30,7 @@ MAX_TOKEN_LIST = 1024  # entries of stop_token_ids, and of logit_bias: each is w
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
 MAX_REPETITION_PENALTY = 2.0
+MAX_GRAMMAR_CHARS = 256 * 1024  # epd.grammar's bound on what a client sends
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive steps far apart in seed space
 _MASK63 = (1 << 63) - 1
 
@@ -48,6 +53,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: str = ""  # structured output: an llguidance grammar (epd.grammar), "" for none
 
     def __post_init__(self) -> None:
         validate(self.max_tokens, self.temperature, self.top_p, self.top_k, self.logprobs)
@@ -70,7 +76,13 @@ class SamplingConfig:
     @property
     def processes(self) -> bool:
         """Anything changes the logits before the choice (the fast path skips it all otherwise)."""
-        return bool(self.min_tokens or self.logit_bias or self.needs_history)
+        return bool(self.min_tokens or self.logit_bias or self.needs_history or self.grammar)
+
+    @property
+    def needs_answer(self) -> bool:
+        """Sampling reads the answer so far (a penalty's history, or a grammar's state): a handoff
+        carries its tokens."""
+        return self.needs_history or bool(self.grammar)
 
 
 def validate_processing(config: SamplingConfig) -> None:
@@ -79,6 +91,10 @@ def validate_processing(config: SamplingConfig) -> None:
         raise ValueError(f"stop_token_ids may list at most {MAX_TOKEN_LIST} ids, got {len(config.stop_token_ids)}")
     if any(t < 0 for t in config.stop_token_ids):
         raise ValueError("stop_token_ids must be token ids >= 0")
+    if len(config.grammar) > 4 * MAX_GRAMMAR_CHARS:
+        raise ValueError("the grammar is too large")
+    if config.grammar and config.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with a structured output (the grammar ends the answer)")
     if config.min_tokens < 0 or config.min_tokens > config.max_tokens:
         raise ValueError(f"min_tokens must be in [0, max_tokens={config.max_tokens}], got {config.min_tokens}")
     if len(config.logit_bias) > MAX_TOKEN_LIST:
@@ -129,18 +145,14 @@ def history_for(config: SamplingConfig, prompt_ids, generated) -> TokenHistory |
 
 
 def process(logits: torch.Tensor, config: SamplingConfig, step: int, history: TokenHistory | None = None,
-            eos_token_ids=frozenset()) -> torch.Tensor:
+            eos_token_ids=frozenset(), grammar=None) -> torch.Tensor:
     """The logits the choice is made from (a float32 copy, or ``logits`` itself when nothing
-    applies): ``step`` is the number of tokens generated before this one."""
+    applies): ``step`` is the number of tokens generated before this one; ``grammar`` the
+    request's ``epd.grammar.GrammarState`` (needed when ``config.grammar`` is set)."""
     if not config.processes:
         return logits
-    scores = logits.float().clone()
+    scores = _copy(logits)
     vocab = scores.numel()
-    if step < config.min_tokens:
-        banned = set(config.stop_token_ids) | (set() if config.ignore_eos else set(eos_token_ids))
-        banned = sorted(t for t in banned if t < vocab)
-        if banned:
-            scores[torch.tensor(banned, dtype=torch.long, device=scores.device)] = -math.inf
     if config.logit_bias:
         ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.long, device=scores.device)
         bias = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32, device=scores.device)
@@ -157,7 +169,30 @@ def process(logits: torch.Tensor, config: SamplingConfig, step: int, history: To
         if generated.numel() and (config.frequency_penalty or config.presence_penalty):
             ids, counts = torch.unique(generated, return_counts=True)
             scores[ids] -= config.frequency_penalty * counts.float() + config.presence_penalty
+    if config.grammar:
+        if grammar is None:
+            raise ValueError("a structured output needs the request's grammar state")
+        grammar.apply(scores)
+    if step < config.min_tokens:
+        # -inf commutes with every step above (vLLM masks first). Under a grammar that allows
+        # nothing but the end here, the end wins over min_tokens.
+        banned = set(config.stop_token_ids) | (set() if config.ignore_eos else set(eos_token_ids))
+        banned = sorted(t for t in banned if t < vocab)
+        if banned:
+            index = torch.tensor(banned, dtype=torch.long, device=scores.device)
+            kept = scores.index_fill(0, index, -math.inf)
+            if not config.grammar or bool(torch.isfinite(kept).any()):
+                scores = kept
     return scores
+
+
+def _copy(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of the logits. On the CPU through numpy: one single-threaded memcpy (torch's
+    clone of a 250k row went through its thread pool and took 10-100x longer on the loaded 2-core
+    machine; docs/BENCHMARKS.md "Structured outputs")."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().copy())
+    return logits.float().clone()
 
 
 def validate(max_tokens: int, temperature: float, top_p: float, top_k: int, logprobs: int) -> None:
@@ -181,14 +216,17 @@ class TokenLogprobs:
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig, step: int, history: TokenHistory | None = None,
-           eos_token_ids=frozenset()) -> tuple[int, TokenLogprobs | None]:
+           eos_token_ids=frozenset(), grammar=None) -> tuple[int, TokenLogprobs | None]:
     """Pick the token for decode step ``step`` from float32 ``logits [vocab]`` (processed first,
-    see ``process``; ``eos_token_ids`` are what ``min_tokens`` masks besides ``stop_token_ids``)."""
-    scores = process(logits, config, step, history, eos_token_ids)
+    see ``process``; ``eos_token_ids`` are what ``min_tokens`` masks besides ``stop_token_ids``).
+    With a ``grammar`` state the token is also fed to it (``GrammarState.accept``)."""
+    scores = process(logits, config, step, history, eos_token_ids, grammar)
     if config.greedy:
         token = int(torch.argmax(scores))
     else:
         token = _sample_random(scores, config, step)
+    if grammar is not None:
+        grammar.accept(token)
     return token, (_logprobs(logits, token, config.logprobs) if config.logprobs else None)
 
 

@@ -35,6 +35,8 @@ SPECIAL_TOKENS = (
 # Reasoning markers are ordinary (non-special) added tokens, as in Qwen3, so
 # decode(skip_special_tokens=True) keeps them visible.
 THINK_TOKENS = ("<think>", "</think>")
+# Tool-call markers, ordinary added tokens too (after the reasoning markers: earlier ids unchanged).
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 DEFAULT_NUM_MERGES = 512
@@ -43,7 +45,11 @@ DEFAULT_NUM_MERGES = 512
 # comes first and holds no images, each message's content is trimmed, and an assistant turn's
 # reasoning (its ``reasoning_content``, or what its content has before ``</think>``) is kept only
 # for turns after the last user query: earlier turns keep their answers alone. Thinking is off
-# unless ``enable_thinking`` is true.
+# unless ``enable_thinking`` is true. With ``tools`` (OpenAI's function list), Qwen3.5's layout: the
+# tools as JSON lines in a first system turn (which also holds the system message), an assistant
+# turn's ``tool_calls`` as ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>
+# </tool_call>`` blocks after its content, and consecutive ``tool`` messages as one user turn of
+# ``<tool_response>`` blocks.
 CHAT_TEMPLATE = (
     "{%- set thinking = enable_thinking if enable_thinking is defined else false -%}\n"
     "{%- macro render(content, system) -%}\n"
@@ -73,10 +79,32 @@ CHAT_TEMPLATE = (
     "{%- if ns.last_query < 0 -%}\n"
     "{{- raise_exception('No user query found in messages.') -}}\n"
     "{%- endif -%}\n"
+    "{%- if tools -%}\n"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' -}}\n"
+    "{%- for tool in tools -%}\n"
+    "{{- '\\n' + (tool | tojson) -}}\n"
+    "{%- endfor -%}\n"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:"
+    "\\n\\n<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n"
+    "</parameter>\\n</function>\\n</tool_call>' -}}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "{{- '\\n\\n' + render(messages[0]['content'], true) | trim -}}\n"
+    "{%- endif -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
     "{%- for message in messages -%}\n"
     "{%- set content = render(message['content'], message['role'] == 'system') | trim -%}\n"
     "{%- if message['role'] == 'system' and not loop.first -%}\n"
     "{{- raise_exception('System message must be at the beginning.') -}}\n"
+    "{%- elif message['role'] == 'system' and tools -%}\n"
+    "{%- elif message['role'] == 'tool' -%}\n"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}\n"
+    "{{- '<|im_start|>user' -}}\n"
+    "{%- endif -%}\n"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}\n"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
     "{%- elif message['role'] == 'assistant' -%}\n"
     "{%- set reasoning = '' -%}\n"
     "{%- if message['reasoning_content'] is string -%}\n"
@@ -89,7 +117,25 @@ CHAT_TEMPLATE = (
     "{%- if loop.index0 > ns.last_query -%}\n"
     "{{- '<think>\\n' + reasoning | trim + '\\n</think>\\n\\n' -}}\n"
     "{%- endif -%}\n"
-    "{{- content + '<|im_end|>\\n' -}}\n"
+    "{{- content -}}\n"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}\n"
+    "{%- for call in message['tool_calls'] -%}\n"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}\n"
+    "{%- if not loop.first -%}\n"
+    "{{- '\\n' -}}\n"
+    "{%- elif content -%}\n"
+    "{{- '\\n\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{{- '<tool_call>\\n<function=' + call['name'] + '>\\n' -}}\n"
+    "{%- if call['arguments'] is mapping -%}\n"
+    "{%- for key, value in call['arguments'].items() -%}\n"
+    "{{- '<parameter=' + key + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- endif -%}\n"
+    "{{- '</function>\\n</tool_call>' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- endif -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
     "{%- else -%}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}\n"
     "{%- endif -%}\n"
@@ -212,7 +258,7 @@ def build_tokenizer(num_merges: int = DEFAULT_NUM_MERGES) -> Qwen3_5Tokenizer:
         vocab=model["vocab"], merges=merges, unk_token=None, eos_token=None, pad_token=None
     )
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS + TOOL_TOKENS])
     tokenizer.eos_token = EOS_TOKEN
     tokenizer.pad_token = PAD_TOKEN
     tokenizer.chat_template = CHAT_TEMPLATE

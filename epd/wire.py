@@ -22,6 +22,7 @@ def sampling_to_proto(config: SamplingConfig) -> epd_pb2.ResolvedSampling:
         presence_penalty=config.presence_penalty,
         frequency_penalty=config.frequency_penalty,
         repetition_penalty=config.repetition_penalty,
+        grammar=config.grammar,
     )
 
 
@@ -42,6 +43,7 @@ def sampling_from_proto(message: epd_pb2.ResolvedSampling) -> SamplingConfig:
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+        grammar=message.grammar,
     )
 
 

@@ -24,6 +24,8 @@ import torch
 
 from epd import errors, positions
 from epd.config import PrefillConfig
+from epd.grammar import GrammarState
+from epd.grammar import tokenizer_for as grammar_tokenizer
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
@@ -69,6 +71,7 @@ class PrefillJob:
     started_at: float | None = None
     finished_at: float = 0.0
     done: Future = field(default_factory=Future)  # set by the scheduler thread: None or the failure
+    grammar: GrammarState | None = None  # a structured output's matcher, at the answer so far
 
     @property
     def cached_tokens(self) -> int:
@@ -172,7 +175,7 @@ class PrefillEngine:
         """Sample the next token; for a resumed request it is token number ``num_generated``."""
         step = request.num_generated
         token, logprobs = sample(job.logits, sampling, step=step, history=request_history(request, sampling),
-                                 eos_token_ids=self.info.eos_token_ids)
+                                 eos_token_ids=self.info.eos_token_ids, grammar=job.grammar)
         return PrefillResult(
             first_token=token,
             logprobs=logprobs,
@@ -192,6 +195,10 @@ class PrefillEngine:
             raise ValueError("prompt is empty")
         if not 0 <= request.num_generated < len(token_ids):
             raise ValueError(f"num_generated is {request.num_generated} for {len(token_ids)} tokens")
+        # A structured output's matcher, fed the answer so far: a bad grammar or an answer that
+        # does not match it is refused here, before any forward.
+        grammar = GrammarState(grammar_tokenizer(self.info), request.sampling.grammar,
+                               token_ids[len(token_ids) - request.num_generated:]) if request.sampling.grammar else None
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
         prompt_len = len(token_ids) - request.num_generated
@@ -226,6 +233,7 @@ class PrefillEngine:
             rope_delta=rope_delta,
             deadline_unix=request.deadline_unix,
             store_read_s=read_s,
+            grammar=grammar,
         )
 
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:

@@ -72,7 +72,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             deadline_unix=request.deadline_unix,
             num_generated=request.num_generated + 1,
         )
-        if sampling.needs_history:  # what decode's penalties read: the answer so far, and the prompt's tokens
+        if sampling.needs_answer:  # what decode's penalties or grammar read: the answer so far, the prompt's tokens
             prompt_len = len(request.token_ids) - request.num_generated
             header.generated_token_ids.extend([*request.token_ids[prompt_len:], result.first_token])
             if sampling.needs_prompt:

@@ -21,6 +21,7 @@ about the request name it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from epd import discovery, errors, limits, logs, rpc
+from epd import discovery, errors, grammar, limits, logs, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -130,6 +131,14 @@ class RouterCore:
                         on_accepted: Callable[[], None] | None = None):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
+        if request.sampling.HasField("structured"):  # compiled off the loop (a large schema takes a while)
+            compiled = await asyncio.get_running_loop().run_in_executor(None, self._compile_structured,
+                                                                        request.sampling.structured)
+            if compiled:
+                if sampling.ignore_eos:
+                    raise ValueError("ignore_eos cannot be combined with a structured output (the grammar ends "
+                                     "the answer)")
+                run.sampling = sampling = dataclasses.replace(sampling, grammar=compiled)
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt may be at most {MAX_CACHE_SALT_CHARS} characters, got {len(request.cache_salt)}")
         run.cache_salt = request.cache_salt
@@ -138,11 +147,13 @@ class RouterCore:
         if request.prompt or request.prompt_token_ids:  # a completion: no template, no images
             if request.messages:
                 raise ValueError("send messages (a chat) or prompt / prompt_token_ids (a completion), not both")
+            if request.tools_json:
+                raise ValueError("tools need messages (a chat): a completion has no chat template")
             run.prompt = prompt = await loop.run_in_executor(None, self.builder.build_completion, request.prompt,
                                                              request.prompt_token_ids)
         else:
             run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
-                                                             request.enable_thinking)
+                                                             request.enable_thinking, True, request.tools_json)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
         if on_accepted is not None:
@@ -242,6 +253,11 @@ class RouterCore:
         if self.builder.info.vocab_size:
             check_vocab(config, self.builder.info.vocab_size)
         return config
+
+    def _compile_structured(self, spec: epd_pb2.StructuredOutput) -> str:
+        """The request's structured output as one llguidance grammar (ValueError naming what is
+        wrong with it); checked against the checkpoint's tokenizer."""
+        return grammar.compile_structured(spec, grammar.tokenizer_for(self.builder.info))
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len >= self.max_model_len:

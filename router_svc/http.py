@@ -39,6 +39,8 @@ from epd import limits, logs, rpc
 from epd.config import HttpConfig, RouterConfig
 from epd.metrics import render
 from epd.v1 import epd_pb2
+from router_svc import chat_output
+from router_svc.chat_output import AnswerParser
 from router_svc.core import RouterCore
 from router_svc.media import MediaError, MediaLoader
 from router_svc.stats import RequestStats
@@ -49,23 +51,29 @@ MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_CHOICES = 16  # n: each choice is a request of its own
 OFF_LOOP_BYTES = 256 * 1024
 """A JSON body or data: URL at least this large is parsed on the loop's executor, not on the loop."""
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
 # Fields of OpenAI's chat completion request this server implements (None counts as absent).
 SUPPORTED = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
+    "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
+    "tools", "tool_choice", "parallel_tool_calls",
 }
 # POST /v1/completions' fields (the legacy API; None counts as absent).
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
     "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt",
+    "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                 "return_token_strs", "chat_template_kwargs", "mm_processor_kwargs"}
+                 "return_token_strs", "chat_template_kwargs", "mm_processor_kwargs", "tools"}
 try:
     VERSION = importlib.metadata.version("epd")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -127,6 +135,15 @@ class ChatOptions:
     token_ids: bool = False
     n: int = 1  # choices: n requests run concurrently (seeds seed, seed + 1, ...)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    tools: list | None = None  # parse the answer's tool calls against these (tool_choice auto)
+    single_call: bool = False  # parallel_tool_calls: false
+    reasoning: bool = False  # the server's reasoning parser is on
+    in_reasoning: bool = False  # ... and the prompt opened a think block (enable_thinking)
+
+    def parser(self) -> AnswerParser | None:
+        if self.tools is None and not self.reasoning:
+            return None
+        return AnswerParser(self.reasoning, self.in_reasoning, self.tools, 1 if self.single_call else None)
 
 
 @dataclass(frozen=True)
@@ -298,8 +315,9 @@ class HttpFront:
                 max_pixels = _integer(mm, "max_pixels", 0, limits.MAX_PIXELS, "mm_processor_kwargs.max_pixels") \
                     if "max_pixels" in mm else None
                 messages = await self._messages(body.get("messages"), _video_options(mm, "mm_processor_kwargs"))
+                tools, _ = _tools({"tools": body["tools"], "tool_choice": "none"}) if "tools" in body else (None, 0)
                 prompt = await loop.run_in_executor(None, self.core.builder.build, messages, max_pixels, thinking,
-                                                    generation)
+                                                    generation, json.dumps(tools) if tools else "")
                 ids = prompt.token_ids
             elif "prompt" in body:
                 _refuse_unknown(body, TOKENIZE_TEXT)
@@ -490,8 +508,20 @@ class HttpFront:
             raise HttpError(400, "user must be a string", param="user")
         request.cache_salt = _cache_salt(body)
         request.messages.extend(await self._messages(body.get("messages"), _video_options(mm, "mm_processor_kwargs")))
+        tools, parse_tools = _tools(body)
+        if tools:
+            request.tools_json = json.dumps(tools)
+        forced = _forced_calls(body, tools)
+        if forced:
+            if request.sampling.HasField("structured"):
+                raise HttpError(400, "tool_choice 'required' or a named function constrains the answer itself: it "
+                                "cannot be combined with a structured output", param="tool_choice")
+            request.sampling.structured.grammar = forced
         options = ChatOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous)
+                              token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous,
+                              tools=tools if parse_tools else None,
+                              single_call=body.get("parallel_tool_calls") is False,
+                              reasoning=bool(self.config.reasoning_parser), in_reasoning=request.enable_thinking)
         request.return_prompt_token_ids = options.token_ids
         return request, options
 
@@ -531,11 +561,14 @@ class HttpFront:
             where = f"messages[{m_index}]"
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise HttpError(400, f"{where} must be an object with a string role", param="messages")
-            extra = sorted(set(k for k, v in message.items() if v is not None) - {"role", "content", "name"})
+            extra = sorted(set(k for k, v in message.items() if v is not None)
+                           - {"role", "content", "name", "tool_calls", "tool_call_id"})
             if extra:
                 raise HttpError(400, f"{where}: {', '.join(extra)} not supported by this server", param="messages",
                                 code="unsupported_parameter")
             content = message.get("content")
+            if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+                content = ""  # a turn of calls only (OpenAI sends content null)
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(parts, list):
                 raise HttpError(400, f"{where}.content must be a string or a list of parts", param="messages")
@@ -543,6 +576,7 @@ class HttpFront:
             if name is not None and not isinstance(name, str):
                 raise HttpError(400, f"{where}.name must be a string", param="messages")
             chat = epd_pb2.ChatMessage(role=message["role"], name=name or "")
+            _message_tools(message, chat, where)
             for p_index, part in enumerate(parts):
                 here = f"{where}.content[{p_index}]"
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -624,7 +658,150 @@ def _sampling_params(body: dict, max_tokens_limit: int) -> epd_pb2.SamplingParam
         sampling.stop.extend(stops)
     sampling.ignore_eos = _bool(body, "ignore_eos")
     _logits_processing(body, sampling)
+    structured = _structured(body)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     return sampling
+
+
+def _structured(body: dict) -> epd_pb2.StructuredOutput | None:
+    """OpenAI's ``response_format`` (text, json_object, json_schema), vLLM's ``structured_outputs``
+    (json, regex, choice, grammar, json_object) or its older ``guided_*`` fields, as one
+    ``StructuredOutput`` (None: unconstrained). At most one constraint per request. Whether a schema,
+    regex or grammar is valid is the request path's check (``epd.grammar``: 400 naming the problem)."""
+    found: list[tuple[str, str, object]] = []  # (field as the client named it, kind, value)
+    if "response_format" in body:
+        fmt = body["response_format"]
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise HttpError(400, 'response_format must be an object with a type: "text", "json_object" or '
+                            '"json_schema"', param="response_format")
+        kind = fmt["type"]
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+                raise HttpError(400, 'response_format.json_schema must be {"name": ..., "schema": {...}}',
+                                param="response_format")
+            unknown = sorted(set(spec) - {"name", "schema", "json_schema", "strict", "description"})
+            if unknown:
+                raise HttpError(400, f"response_format.json_schema: {', '.join(unknown)} not supported by this "
+                                "server", param="response_format", code="unsupported_parameter")
+            found.append(("response_format", "json_schema", spec.get("schema", spec.get("json_schema"))))
+        elif kind == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif kind != "text":
+            raise HttpError(400, f"response_format.type {kind!r} is not supported by this server (text, json_object "
+                            "or json_schema)", param="response_format", code="unsupported_parameter")
+    if "structured_outputs" in body:
+        spec = _object(body, "structured_outputs", set(STRUCTURED_KINDS))
+        for key in STRUCTURED_KINDS:
+            if key in spec and not (key == "json_object" and spec[key] is False):
+                found.append((f"structured_outputs.{key}", STRUCTURED_KINDS[key], spec[key]))
+    for key in ("json", "regex", "choice", "grammar"):
+        if f"guided_{key}" in body:
+            found.append((f"guided_{key}", STRUCTURED_KINDS[key], body[f"guided_{key}"]))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise HttpError(400, f"{found[0][0]} and {found[1][0]}: send one structured output per request",
+                        param=found[1][0].split(".")[0])
+    name, kind, value = found[0]
+    out = epd_pb2.StructuredOutput()
+    param = name.split(".")[0]
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            text = value
+        elif isinstance(value, (dict, bool)):
+            text = json.dumps(value)
+        else:
+            raise HttpError(400, f"{name} must be a JSON Schema (an object)", param=param)
+        out.json_schema = text
+    elif kind == "json_object":
+        if value is not True:
+            raise HttpError(400, f"{name} must be true", param=param)
+        out.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise HttpError(400, f"{name} must be a non-empty list of strings", param=param)
+        out.choice.values.extend(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise HttpError(400, f"{name} must be a non-empty string", param=param)
+        setattr(out, kind, value)
+    return out
+
+
+def _tools(body: dict) -> tuple[list | None, bool]:
+    """``tools`` and ``tool_choice``: the tools (rendered by the chat template; their shape is the
+    request path's check) and whether the answer's calls are parsed (``auto``, the default; not
+    with ``none``; ``required`` and a named function are also forced: ``_forced_calls``)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if "parallel_tool_calls" in body:
+        _bool(body, "parallel_tool_calls")
+    if tools is None:
+        if choice != "none":
+            raise HttpError(400, "tool_choice needs tools", param="tool_choice")
+        return None, False
+    if not isinstance(tools, list) or not tools:
+        raise HttpError(400, "tools must be a non-empty list of functions", param="tools")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise HttpError(400, 'a named tool_choice is {"type": "function", "function": {"name": STR}}',
+                            param="tool_choice")
+        return tools, True
+    if choice not in ("auto", "none", "required"):
+        raise HttpError(400, "tool_choice must be 'auto', 'none', 'required' or a named function",
+                        param="tool_choice")
+    return tools, choice != "none"
+
+
+def _forced_calls(body: dict, tools: list | None) -> str:
+    """``tool_choice`` ``required`` or a named function: the Lark grammar that makes the answer
+    such a call (``chat_output.forced_calls_grammar``, decoded under llguidance like any
+    structured output); "" otherwise."""
+    choice = body.get("tool_choice")
+    if not tools or not (choice == "required" or isinstance(choice, dict)):
+        return ""
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise HttpError(400, f'tools[{index}] must be {{"type": "function", "function": {{"name": STR, ...}}}}',
+                            param="tools")
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    try:
+        return chat_output.forced_calls_grammar(tools, name, body.get("parallel_tool_calls") is not False)
+    except ValueError as error:
+        raise HttpError(400, str(error), param="tool_choice") from None
+
+
+def _message_tools(message: dict, chat: epd_pb2.ChatMessage, where: str) -> None:
+    """An assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` into ``chat``."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise HttpError(400, f"{where}.tool_calls must be a list", param="messages")
+        for c_index, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise HttpError(400, f'{where}.tool_calls[{c_index}] must be {{"id", "type": "function", "function": '
+                                '{"name": STR, "arguments": JSON TEXT}}', param="messages")
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, dict):
+                arguments = json.dumps(arguments)
+            if not isinstance(arguments, str):
+                raise HttpError(400, f"{where}.tool_calls[{c_index}].function.arguments must be a JSON text",
+                                param="messages")
+            call_id = call.get("id") or ""
+            if not isinstance(call_id, str):
+                raise HttpError(400, f"{where}.tool_calls[{c_index}].id must be a string", param="messages")
+            chat.tool_calls.append(epd_pb2.ToolCall(id=call_id, name=function["name"], arguments=arguments))
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise HttpError(400, f"{where}.tool_call_id must be a string", param="messages")
+        chat.tool_call_id = call_id
 
 
 def _cache_salt(body: dict) -> str:
@@ -925,8 +1102,20 @@ class _ChatCall:
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
     def _whole_choice(self, index: int, got: _Collected) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": "".join(got.text)},
-                  "logprobs": None, "finish_reason": _finish(got.summary), "stop_reason": _stop_reason(got.summary)}
+        message = {"role": "assistant", "content": "".join(got.text)}
+        finish = _finish(got.summary)
+        parser = self.options.parser()
+        if parser is not None:
+            split = chat_output.whole(message["content"], parser)
+            message["content"] = split["content"]
+            if self.options.reasoning:
+                message["reasoning_content"] = split["reasoning_content"]
+            if self.options.tools is not None:
+                message["tool_calls"] = split["tool_calls"]
+                if split["tool_calls"]:
+                    finish = "tool_calls"
+        choice = {"index": index, "message": message,
+                  "logprobs": None, "finish_reason": finish, "stop_reason": _stop_reason(got.summary)}
         if self.options.logprobs:
             choice["logprobs"] = {"content": self.front.logprobs_json(got.logprobs, self.options, got.token_ids)}
         if self.options.token_ids:
@@ -941,7 +1130,11 @@ class _ChatCall:
                  "finish_reason": None}]
 
     def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
-        choice = {"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+        if "parser" not in state:
+            state["parser"] = self.options.parser()
+        parser = state["parser"]
+        delta = {"content": chunk.text} if parser is None else _merge(parser.feed(chunk.text))
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         if self.options.logprobs:
             choice["logprobs"] = {"content": self.front.logprobs_json(chunk.logprobs, self.options, chunk.token_ids)}
         if self.options.token_ids:
@@ -949,7 +1142,11 @@ class _ChatCall:
         return choice
 
     def _final_choice(self, index: int, summary, state: dict) -> dict:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": _finish(summary),
+        parser = state.get("parser")
+        delta = {} if parser is None else _merge(parser.finish())
+        finish = "tool_calls" if parser is not None and parser.calls and self.options.tools is not None \
+            else _finish(summary)
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
                 "stop_reason": _stop_reason(summary)}
 
     def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
@@ -1149,6 +1346,18 @@ async def _all(awaitables: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _merge(deltas: list[dict]) -> dict:
+    """An answer parser's deltas for one piece as one chunk's delta."""
+    out: dict = {}
+    for delta in deltas:
+        for kind, value in delta.items():
+            if kind == "tool_calls":
+                out.setdefault(kind, []).extend(value)
+            else:
+                out[kind] = out.get(kind, "") + value
+    return out
 
 
 def _stop_reason(summary) -> str | int | None:

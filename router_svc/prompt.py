@@ -12,6 +12,7 @@ characters of text the context window can hold.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from router_svc.tokens import PlainText
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+MAX_TOOLS = 128  # functions a request may offer
 MAX_NAME_CHARS = 256  # a message's name
 # The model's own structure in its answers: in an assistant message these are tokens, as the
 # template renders them (and as transformers tokenizes them), so the template can find and strip
@@ -114,17 +116,21 @@ class PromptBuilder:
         return cls(AutoTokenizer.from_pretrained(model_dir), info, info.image_settings(max_decoded_pixels),
                    video_settings=info.video_settings(), **limits)
 
-    def build(self, messages, max_pixels: int | None, enable_thinking: bool, add_generation_prompt: bool = True
-              ) -> Prompt:
+    def build(self, messages, max_pixels: int | None, enable_thinking: bool, add_generation_prompt: bool = True,
+              tools_json: str = "") -> Prompt:
         """Validate, template and tokenize; raises ValueError (INVALID_ARGUMENT) naming the problem.
-        ``add_generation_prompt`` False (``POST /tokenize`` may ask) leaves out the assistant header."""
+        ``add_generation_prompt`` False (``POST /tokenize`` may ask) leaves out the assistant header.
+        ``tools_json``: the functions the model may call (``GenerateRequest.tools_json``), given to
+        the chat template as transformers' ``apply_chat_template(..., tools=...)`` does."""
         self._check_limits(messages)
         settings = self.settings.with_max_pixels(max_pixels)
+        tools = self._tools(tools_json)
         chat, images, clips = self._to_chat(messages, settings)
+        extra = {"tools": tools} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
                 chat, tokenize=False, add_generation_prompt=add_generation_prompt,
-                enable_thinking=bool(enable_thinking)
+                enable_thinking=bool(enable_thinking), **extra
             )
         except TemplateError as error:
             if type(error) is not TemplateError:  # a subclass: the template itself is broken (syntax, undefined)
@@ -201,6 +207,47 @@ class PromptBuilder:
                     f"window of {self.max_model_len} tokens can hold (a token is at most "
                     f"{self.plain.longest_token_bytes} bytes); refused without tokenizing")
 
+    @property
+    def renders_tools(self) -> bool:
+        """The checkpoint's chat template renders ``tools`` (and the calls in the history)."""
+        return "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
+
+    def _plain(self, value):
+        """Client data for the template (tools, call arguments): every string in it plain text."""
+        if self.allow_special_tokens:
+            return value
+        if isinstance(value, str):
+            return self.plain.escape(value)
+        if isinstance(value, list):
+            return [self._plain(item) for item in value]
+        if isinstance(value, dict):
+            return {self._plain(key): self._plain(item) for key, item in value.items()}
+        return value
+
+    def _tools(self, tools_json: str) -> list | None:
+        if not tools_json:
+            return None
+        if self.max_text_chars is not None and len(tools_json) > self.max_text_chars:
+            raise ValueError(f"tools are {len(tools_json)} characters, more than a context window of "
+                             f"{self.max_model_len} tokens can hold")
+        if not self.renders_tools:
+            raise ValueError("tools: this model's chat template does not render tools")
+        try:
+            tools = json.loads(tools_json)
+        except ValueError as error:
+            raise ValueError(f"tools is not valid JSON: {error}") from None
+        if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+            raise ValueError(f"tools must be a list of 1 to {MAX_TOOLS} functions")
+        for index, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                    or not isinstance(function.get("name"), str) or not function["name"]):
+                raise ValueError(f'tools[{index}] must be {{"type": "function", "function": {{"name": STR, '
+                                 '"description": STR, "parameters": {JSON Schema}}}}}')
+            if "parameters" in function and not isinstance(function["parameters"], dict):
+                raise ValueError(f"tools[{index}].function.parameters must be a JSON Schema (an object)")
+        return self._plain(tools)
+
     def _to_chat(self, messages, settings) -> tuple[list[dict], list[PromptImage], list]:
         chat: list[dict] = []
         images: list[PromptImage] = []
@@ -233,6 +280,16 @@ class PromptBuilder:
                         parts.append({"type": "text", "text": self._escape(part.text, message.role)})
                     has_content = has_content or bool(part.text.strip())
             entry = {"role": message.role, "content": parts}
+            if message.tool_calls:
+                if message.role != "assistant":
+                    raise ValueError(f"message {m_index}: only an assistant message has tool_calls")
+                if not self.renders_tools:
+                    raise ValueError(f"message {m_index}: this model's chat template does not render tool_calls")
+                entry["tool_calls"] = [self._call(call, m_index) for call in message.tool_calls]
+            if message.role == "tool":
+                if not self.renders_tools:
+                    raise ValueError(f"message {m_index}: this model's chat template does not render tool messages")
+                entry["tool_call_id"] = self._plain(message.tool_call_id)
             if message.name:  # for a template that renders it (Qwen3.5's does not); plain text like all client text
                 if len(message.name) > MAX_NAME_CHARS:
                     raise ValueError(f"message {m_index} name is {len(message.name)} characters; at most {MAX_NAME_CHARS}")
@@ -241,6 +298,18 @@ class PromptBuilder:
         if not has_content:
             raise ValueError("prompt is empty: no text and no images")
         return chat, images, clips
+
+    def _call(self, call, m_index: int) -> dict:
+        """A call of the history as templates read it: the arguments an object (vLLM and
+        transformers parse OpenAI's JSON text the same way)."""
+        try:
+            arguments = json.loads(call.arguments) if call.arguments else {}
+        except ValueError:
+            raise ValueError(f"message {m_index}: tool call {call.name!r} arguments are not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"message {m_index}: tool call {call.name!r} arguments must be a JSON object")
+        return {"id": self._plain(call.id), "type": "function",
+                "function": {"name": self._plain(call.name), "arguments": self._plain(arguments)}}
 
     def _escape(self, text: str, role: str) -> str:
         """Client text as the template must see it: plain text, except the model's own structure

@@ -61,8 +61,16 @@ def test_fields_map_onto_the_request():
 
 
 @pytest.mark.parametrize("body,status,message", [
-    ({"messages": user(), "tools": []}, 400, "tools: not supported"),
-    ({"messages": user(), "response_format": {"type": "text"}}, 400, "response_format: not supported"),
+    ({"messages": user(), "tools": []}, 400, "tools must be a non-empty list of functions"),
+    ({"messages": user(), "tools": [{}], "tool_choice": "required"}, 400, "tools[0] must be"),
+    ({"messages": user(), "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "'g', which is not one of the tools"),
+    ({"messages": user(), "tool_choice": "auto"}, 400, "tool_choice needs tools"),
+    ({"messages": user(), "response_format": {"type": "yaml"}}, 400, "response_format.type 'yaml' is not supported"),
+    ({"messages": user(), "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
+     "send one structured output per request"),
+    ({"messages": user(), "structured_outputs": {"disable_any_whitespace": True}}, 400,
+     "structured_outputs: disable_any_whitespace"),
     ({"messages": user(), "logit_bias": {"1": "2"}}, 400, "logit_bias: the bias of token 1 must be a finite number"),
     ({"messages": user(), "logit_bias": {"-1": 2}}, 400, "logit_bias: key '-1' is not a token id"),
     ({"messages": user(), "logit_bias": [1, 2]}, 400, "logit_bias must be an object"),
@@ -99,7 +107,7 @@ def test_fields_map_onto_the_request():
     ({"messages": user(), "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs: tools"),
     ({"messages": []}, 400, "messages must be a non-empty list"),
     ({"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name must be a string"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}, 400, "tool_calls not supported"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}, 400, "tool_calls[0] must be"),
     ({"messages": user({"type": "input_audio", "input_audio": {}})}, 400, "got type 'input_audio'"),
     ({"messages": user({"type": "text", "text": 3})}, 400, "must be"),
     ({"messages": user({"type": "image_url", "image_url": {"url": encode_data_url(IMAGE), "detail": "low"}})}, 400,
@@ -191,8 +199,7 @@ def test_a_json_body_is_read(content_type):
     assert (status, reply["error"]["message"]) == (400, "messages must be a non-empty list")
 
 
-@pytest.mark.parametrize("field", ["tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                                   "response_format", "guided_json", "structured_outputs", "audio", "modalities",
+@pytest.mark.parametrize("field", ["functions", "function_call", "audio", "modalities",
                                    "reasoning_effort", "prediction", "store", "metadata", "service_tier",
                                    "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
                                    "allowed_token_ids", "bad_words", "include_stop_str_in_output",
@@ -392,3 +399,14 @@ def test_a_large_body_and_data_url_are_parsed_off_the_event_loop():
         media_module.decode_data_url = real_decode
     assert messages[0].content[0].image == big
     assert len(threads) == 2 and status_seen[0] not in threads, threads
+
+
+def test_a_named_tool_choice_constrains_the_request_with_its_grammar():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}]
+    request, options = build({"messages": user(), "tools": tools,
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert "<function=f>" in request.sampling.structured.grammar and options.tools == tools
+    assert json.loads(request.tools_json) == tools
+    with pytest.raises(HttpError, match="cannot be combined with a structured output"):
+        build({"messages": user(), "tools": tools, "tool_choice": "required", "guided_regex": "x"})

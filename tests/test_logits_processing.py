@@ -7,6 +7,7 @@ OpenAI's documented formula over the generated tokens, written independently of 
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
@@ -316,3 +317,218 @@ def test_a_resume_samples_what_decode_would_have(stack, oracle, info, tiny_model
             assert engine.run(request, config).first_token == answer[k], k
     finally:
         engine.stop()
+
+
+# ---------------------------------------------------------------- structured outputs
+
+
+class GuidanceProcessor(LogitsProcessor):
+    """llguidance's matcher as a transformers logits processor, built here from the tokenizer
+    transformers loads (``llguidance.hf``), not through epd.grammar: what the answer is compared with."""
+
+    def __init__(self, tokenizer, grammar_text: str, prompt_len: int, vocab: int, eos) -> None:
+        import llguidance
+        import llguidance.hf
+
+        llg = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=sorted(eos))
+        self.matcher = llguidance.LLMatcher(llg, grammar_text)
+        self.prompt_len, self.fed = prompt_len, 0
+
+    def __call__(self, input_ids, scores):
+        answer = input_ids[0, self.prompt_len:].tolist()
+        for token in answer[self.fed:]:
+            assert self.matcher.consume_token(token)
+        self.fed = len(answer)
+        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        scores = scores.clone()
+        scores[:, : allowed.numel()][:, ~allowed] = float("-inf")
+        scores[:, allowed.numel():] = float("-inf")
+        return scores
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                   "ok": {"type": "boolean"}},
+                  "required": ["id", "ok"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "score", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+def _guided_generate(oracle, info, prompt: str, schema: dict, max_new_tokens: int) -> list[int]:
+    import llguidance
+
+    compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+    inputs = oracle.inputs(prompt, [])
+    processor = GuidanceProcessor(oracle.tokenizer, compiled, inputs["input_ids"].shape[1], info.vocab_size,
+                                  info.eos_token_ids)
+    with torch.no_grad():
+        out = oracle.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    logits_processor=[processor])
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_structured_outputs_through_a_real_stack_validate_and_equal_transformers(stack, oracle, info):
+    """A JSON-schema answer (nesting, enums, arrays, numbers) over gRPC, chat (plain and streamed)
+    and completions parses and validates; greedy, it is token for token what transformers'
+    generate gives with llguidance's matcher as its logits processor; seeded answers validate too.
+    Without the constraint the random model's answer is no JSON at all (the test can fail)."""
+    import jsonschema
+
+    prompt = "Describe a pet as JSON."
+    schema_text = json.dumps(STRUCTURED_SCHEMA)
+    free = _grpc(stack, prompt, max_tokens=40)
+    with pytest.raises(ValueError):
+        json.loads(free.text)
+    result = _grpc(stack, prompt, max_tokens=160, structured=epd_pb2.StructuredOutput(json_schema=schema_text))
+    assert result.summary.finish_reason == "eos", result.text
+    jsonschema.validate(json.loads(result.text), STRUCTURED_SCHEMA)
+    assert result.token_ids == _guided_generate(oracle, info, prompt, STRUCTURED_SCHEMA, 160)
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": STRUCTURED_SCHEMA}}
+    messages = [{"role": "user", "content": prompt}]
+    reply = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=160,
+                                                 response_format=response_format)
+    assert reply.choices[0].message.content == result.text and reply.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=160, response_format=response_format, stream=True)
+        if chunk.choices)
+    assert streamed == result.text
+    for seed in (1, 2, 3):
+        sampled = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, seed=seed,
+                                                       temperature=1.0, response_format=response_format)
+        if sampled.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(sampled.choices[0].message.content), STRUCTURED_SCHEMA)
+    completion = stack.openai.completions.create(model=MODEL, prompt="A pet:", max_tokens=160,
+                                                 extra_body={"structured_outputs": {"json": STRUCTURED_SCHEMA}})
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].text), STRUCTURED_SCHEMA)
+    # json_object, a choice and a regex (vLLM's structured_outputs / guided_*).
+    obj = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=120,
+                                               response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                  extra_body={"structured_outputs": {"choice": ["cat", "dog"]}})
+    assert choice.choices[0].message.content in ("cat", "dog")
+    regex = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                 extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    text = regex.choices[0].message.content
+    assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha(), text
+
+
+def test_bad_structured_outputs_are_refused_naming_the_problem(stack):
+    import grpc
+
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, problem in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+         "invalid json schema: Invalid type: foo"),
+        ({"structured_outputs": {"regex": "[a-"}}, "invalid regex"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type 'yaml' is not supported"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "send one structured output per request"),
+        ({"guided_json": {"type": "object"}, "ignore_eos": True}, "ignore_eos cannot be combined"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
+        assert problem in refused.value.body["message"], (extra, refused.value.body)
+    with pytest.raises(grpc.RpcError) as raised:
+        _grpc(stack, "hi", max_tokens=4, structured=epd_pb2.StructuredOutput(grammar="start: nope"))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'structured output: invalid grammar: ' in raised.value.details()
+    assert _grpc(stack, "hi", max_tokens=2).summary.completion_tokens >= 1  # still serving
+
+
+def test_a_structured_resume_masks_what_decode_did(stack, oracle, info, tiny_model_dir, redis_url):
+    """Prefill replaying the prompt plus the first k tokens of a constrained answer (the router's
+    resume after a decode worker's death, or a replayed preemption) rebuilds the grammar state from
+    them and samples token k exactly as the stack's decode did, greedy and seeded."""
+    prompt = "Describe a pet as JSON."
+    prompt_ids = _prompt_ids(oracle, prompt)
+    spec = epd_pb2.StructuredOutput(json_schema=json.dumps(STRUCTURED_SCHEMA))
+    from epd import grammar
+
+    compiled = grammar.compile_structured(spec, grammar.tokenizer_for(info))
+    engine = PrefillEngine(TextModelRunner.load(tiny_model_dir), info, EmbeddingStore(redis_url), PrefillConfig())
+    try:
+        for sampling in (dict(), dict(temperature=1.0, seed=7)):
+            answer = _grpc(stack, prompt, max_tokens=60, structured=spec, **sampling).token_ids
+            config = SamplingConfig(max_tokens=60, grammar=compiled, **sampling)
+            for k in (1, 5, 12, len(answer) - 1):
+                request = epd_pb2.PrefillRequest(request_id=f"s{k}", token_ids=prompt_ids + answer[:k],
+                                                 num_generated=k, sampling=sampling_to_proto(config))
+                assert engine.run(request, config).first_token == answer[k], (sampling, k)
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------- tools
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+FORCED_CALL = r"<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n" \
+              r"[1-9]\n</parameter>\n</function>\n</tool_call>"
+
+
+def _template_ids(oracle, messages, tools) -> list[int]:
+    ids = oracle.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                                               enable_thinking=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_a_tool_conversation_round_trips_through_the_openai_client(stack, oracle):
+    """tools -> an answer whose call (forced here with a regex: a random-weight model calls nothing
+    by itself) comes back as tool_calls with finish_reason tool_calls, streamed and not -> the call
+    and a role "tool" reply in the history -> a final answer. Each prompt is token for token what
+    transformers' apply_chat_template(..., tools=...) gives."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=160,
+        extra_body={"guided_regex": FORCED_CALL, "return_token_ids": True})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert reply.prompt_token_ids == _template_ids(oracle, messages, WEATHER_TOOLS)
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] == "Paris" and 1 <= arguments["days"] <= 9
+    chunks = list(stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=160, stream=True,
+        extra_body={"guided_regex": FORCED_CALL}))
+    streamed = [c for chunk in chunks if chunk.choices for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Without tools the same text is content (no parser runs).
+    plain = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=160,
+                                                 extra_body={"guided_regex": FORCED_CALL})
+    assert plain.choices[0].message.content.startswith("<tool_call>") and plain.choices[0].finish_reason == "stop"
+    # The second turn: the call and its result in the history, then a final answer.
+    history = messages + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
+    final = stack.openai.chat.completions.create(model=MODEL, messages=history, tools=WEATHER_TOOLS, max_tokens=8,
+                                                 extra_body={"return_token_ids": True})
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+    expected = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        history[-1]]
+    assert final.prompt_token_ids == _template_ids(oracle, expected, WEATHER_TOOLS)
+    # tool_choice a named function (or required): the grammar engine makes the answer that call.
+    named = stack.openai.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=300, temperature=1.0, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
+    (forced,) = named.choices[0].message.tool_calls
+    assert forced.function.name == "get_weather" and "city" in json.loads(forced.function.arguments)
+    with pytest.raises(openai.BadRequestError) as refused:
+        stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                             extra_body={"tool_choice": "auto"})
+    assert "tool_choice needs tools" in refused.value.body["message"]
