@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from bench import tp_driver
 from epd import tensor_parallel as tp
 from epd.lm import TextModelRunner
 
@@ -23,8 +24,8 @@ def measure(model_dir: str, world: int, num_tokens: int, prompt_tokens: int) -> 
     runner = TextModelRunner.load(model_dir, prepack=False)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, min(500, runner.vocab_size), (prompt_tokens,), generator=generator).tolist()
-    one_tokens, one_logits = tp.greedy(runner, prompt, num_tokens)
-    tokens, logits = tp.run_greedy(model_dir, prompt, num_tokens, world=world)
+    one_tokens, one_logits = tp_driver.greedy(runner, prompt, num_tokens)
+    tokens, logits = tp_driver.run_greedy(model_dir, prompt, num_tokens, world=world)
     diff = (logits - one_logits).abs()
     return {"model": model_dir, "world": world, "tokens": num_tokens, "identical_tokens": tokens == one_tokens,
             "max_abs_logit_diff": diff.max().item(),

@@ -195,7 +195,7 @@ class Registry:
         if epoch == self.epoch and version == self._version:
             return None
         return View(self.epoch, self._version, [e for e in self._endpoints.values() if e.role == role],
-                    warming=time.monotonic() - self._started < WARMUP_S)
+                    warming=time.monotonic() - self._started < self._warmup_s)
 
     def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
         if epoch == self.epoch:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import tp_driver
 from epd import tensor_parallel as tp
 from epd.lm import TextModelRunner
 
@@ -17,8 +18,8 @@ PROMPT = "Tell me about the weather in three sentences."
 def _compare(model_dir: str, oracle, num_tokens: int) -> None:
     inputs = oracle.inputs(PROMPT, [])
     prompt_ids = inputs["input_ids"][0].tolist()
-    tokens, logits = tp.run_greedy(model_dir, prompt_ids, num_tokens, world=2)
-    one_tokens, one_logits = tp.greedy(TextModelRunner.load(model_dir, prepack=False), prompt_ids, num_tokens)
+    tokens, logits = tp_driver.run_greedy(model_dir, prompt_ids, num_tokens, world=2)
+    one_tokens, one_logits = tp_driver.greedy(TextModelRunner.load(model_dir, prepack=False), prompt_ids, num_tokens)
     assert tokens == one_tokens
     assert tokens == oracle.generate_through_eos(inputs, num_tokens)
     assert logits.shape == one_logits.shape
@@ -43,7 +44,7 @@ def test_heads_that_do_not_split_are_refused(tiny_model_dir):
 @pytest.mark.slow
 def test_a_failed_rank_is_reported_with_its_error(tmp_path):
     with pytest.raises(RuntimeError, match="tensor-parallel rank 0 failed"):
-        tp.run_greedy(str(tmp_path / "missing"), [1, 2, 3], 2, world=2, timeout_s=120)
+        tp_driver.run_greedy(str(tmp_path / "missing"), [1, 2, 3], 2, world=2, timeout_s=120)
 
 
 @pytest.mark.slow
@@ -56,15 +57,15 @@ def test_state_moves_between_tp2_and_tp1(tiny_model_dir, oracle, tmp_path):
     want = oracle.generate_through_eos(inputs, 10)
     runner = TextModelRunner.load(tiny_model_dir, prepack=False)
 
-    tp.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_out=str(tmp_path / "from_tp2.safetensors"))
-    gathered, first = tp.load_state(str(tmp_path / "from_tp2.safetensors"), runner.num_layers)
+    tp_driver.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_out=str(tmp_path / "from_tp2.safetensors"))
+    gathered, first = tp_driver.load_state(str(tmp_path / "from_tp2.safetensors"), runner.num_layers)
     runner.check_state(gathered)  # exactly the shapes and dtypes of a one-process state
-    alone, first_logits = tp.prefill(runner, prompt_ids)
+    alone, first_logits = tp_driver.prefill(runner, prompt_ids)
     for (name, a), (_, b) in zip(alone.named_tensors(), gathered.named_tensors()):
         assert (a - b).abs().max().item() < 1e-4, name
     assert first == int(first_logits.argmax())
-    assert tp.decode(runner, gathered, first, 10)[0] == want
+    assert tp_driver.decode(runner, gathered, first, 10)[0] == want
 
-    tp.save_state(str(tmp_path / "from_tp1.safetensors"), alone, first)
-    tokens, _ = tp.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_in=str(tmp_path / "from_tp1.safetensors"))
+    tp_driver.save_state(str(tmp_path / "from_tp1.safetensors"), alone, first)
+    tokens, _ = tp_driver.run_greedy(tiny_model_dir, prompt_ids, 10, world=2, state_in=str(tmp_path / "from_tp1.safetensors"))
     assert tokens == want
