@@ -31,7 +31,6 @@ Not yet built: a serving role (prefill or decode replica) of N such processes pl
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
