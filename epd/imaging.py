@@ -458,10 +458,16 @@ def load_pixels(data: bytes, settings: ImageSettings) -> tuple[torch.Tensor, tup
 
 def image_key(data: bytes, settings: ImageSettings) -> str:
     """Hex sha256 of (domain tag, length-prefixed image bytes, settings fingerprint)."""
-    fp = settings.fingerprint()
-    h = hashlib.sha256(_KEY_DOMAIN)
+    return content_key(_KEY_DOMAIN, data, settings.fingerprint())
+
+
+def content_key(domain: bytes, data: bytes, fingerprint: bytes, suffix: bytes = b"") -> str:
+    """Hex sha256 of (``domain``, length-prefixed ``data``, length-prefixed ``fingerprint``,
+    ``suffix``): the store key of media content under the settings that change its embeddings."""
+    h = hashlib.sha256(domain)
     h.update(len(data).to_bytes(8, "big"))
     h.update(data)
-    h.update(len(fp).to_bytes(8, "big"))
-    h.update(fp)
+    h.update(len(fingerprint).to_bytes(8, "big"))
+    h.update(fingerprint)
+    h.update(suffix)
     return h.hexdigest()

@@ -39,7 +39,6 @@ torch are imported lazily: the HTTP front only needs the header probe.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import math
@@ -47,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from epd import limits
+from epd import imaging, limits
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -423,14 +422,7 @@ def chunks(grid_t: int, patches_per_chunk: int) -> list[tuple[int, int]]:
 
 def chunk_key(data: bytes, settings: VideoSettings, first: int, count: int) -> str:
     """Hex sha256 of (domain, clip bytes, settings fingerprint, the chunk's range)."""
-    fp = settings.fingerprint()
-    h = hashlib.sha256(_KEY_DOMAIN)
-    h.update(len(data).to_bytes(8, "big"))
-    h.update(data)
-    h.update(len(fp).to_bytes(8, "big"))
-    h.update(fp)
-    h.update(f"\0{first}\0{count}".encode())
-    return h.hexdigest()
+    return imaging.content_key(_KEY_DOMAIN, data, settings.fingerprint(), f"\0{first}\0{count}".encode())
 
 
 def prompt_token_ids(info: VideoInfo, timestamp_ids, vision_start: int, vision_end: int, video_pad: int) -> list[int]:

@@ -878,14 +878,21 @@ def _check_json_type(request: Request) -> None:
                         code="unsupported_media_type")
 
 
-def _image_url(part: dict, where: str) -> str:
-    extra = set(part) - {"type", "image_url"}
+def _media_url(part: dict, where: str, kind: str) -> tuple[str, object]:
+    """A content part's ``kind`` (image_url, video_url) URL and the object it came in (a dict, or
+    the URL string itself)."""
+    extra = set(part) - {"type", kind}
     if extra:
         raise HttpError(400, f"{where}: {', '.join(sorted(extra))} not supported by this server", param="messages")
-    image = part.get("image_url")
-    url = image.get("url") if isinstance(image, dict) else image if isinstance(image, str) else None
+    media = part.get(kind)
+    url = media.get("url") if isinstance(media, dict) else media if isinstance(media, str) else None
     if not isinstance(url, str):
-        raise HttpError(400, f'{where}.image_url must be {{"url": URL}}', param="messages")
+        raise HttpError(400, f'{where}.{kind} must be {{"url": URL}}', param="messages")
+    return url, media
+
+
+def _image_url(part: dict, where: str) -> str:
+    url, image = _media_url(part, where, "image_url")
     if isinstance(image, dict):
         unknown = set(image) - {"url", "detail"}
         if unknown:
@@ -918,13 +925,7 @@ def _video_options(body: dict, shown: str, names=("fps", "max_frames")) -> dict:
 
 
 def _video_url(part: dict, where: str) -> tuple[str, dict]:
-    extra = set(part) - {"type", "video_url"}
-    if extra:
-        raise HttpError(400, f"{where}: {', '.join(sorted(extra))} not supported by this server", param="messages")
-    clip = part.get("video_url")
-    url = clip.get("url") if isinstance(clip, dict) else clip if isinstance(clip, str) else None
-    if not isinstance(url, str):
-        raise HttpError(400, f'{where}.video_url must be {{"url": URL}}', param="messages")
+    url, clip = _media_url(part, where, "video_url")
     if not isinstance(clip, dict):
         return url, {}
     unknown = set(clip) - {"url"} - VIDEO_OPTIONS
