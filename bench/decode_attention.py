@@ -9,8 +9,9 @@ time of this process, so the figures hold up on a shared machine better than wal
   placed as runs);
 - ``views+sdpa``: each slot's rows one view of the pool (its blocks one run), one fused call per
   slot (``epd.kernels.decode_attention`` in float32);
-- ``views+matmul``: the same views, two matrix products with a float32 softmax
-  (``epd.kernels.decode_attention`` in other dtypes).
+- ``views+matmul``: the same views, two matrix products with a float32 softmax;
+- ``views+float32 sdpa`` (bfloat16 only): the views' rows converted to float32, then the fused
+  float32 call (``epd.kernels.decode_attention`` in other dtypes).
 
 Shapes are the ``qwen3.5-0.8b`` preset's (8 query heads, 2 KV heads, head dim 256).
 """
@@ -69,10 +70,19 @@ def measure(dtype: torch.dtype, context: int, batch: int) -> dict:
             outs.append(torch.matmul(probs, values[s : s + context].transpose(0, 1)).view(1, HEADS, 1, DIM))
         return torch.cat(outs)
 
+    def views_upcast_sdpa():
+        return torch.cat([F.scaled_dot_product_attention(
+            query[i : i + 1].float(), keys[s : s + context].float().transpose(0, 1).unsqueeze(0),
+            values[s : s + context].float().transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=True).to(dtype)
+            for i, s in enumerate(starts)])
+
     with torch.inference_mode():
         reference = gather_sdpa().float()
         row = {"dtype": str(dtype).removeprefix("torch."), "context": context, "batch": batch}
-        for name, fn in (("gather+sdpa", gather_sdpa), ("views+sdpa", views_sdpa), ("views+matmul", views_matmul)):
+        variants = [("gather+sdpa", gather_sdpa), ("views+sdpa", views_sdpa), ("views+matmul", views_matmul)]
+        if dtype != torch.float32:
+            variants.append(("views+float32 sdpa", views_upcast_sdpa))
+        for name, fn in variants:
             row[name] = _cpu_ms(fn)
             row[name + " max_abs_diff"] = float((fn().float() - reference).abs().max())
     return row
@@ -87,9 +97,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [measure(dtype, int(c), args.batch) for dtype in (torch.float32, torch.bfloat16)
             for c in args.contexts.split(",")]
-    print(f"{'dtype':9s} {'context':>7s} {'gather+sdpa':>12s} {'views+sdpa':>11s} {'views+matmul':>13s}  (CPU ms per layer)")
+    print(f"{'dtype':9s} {'context':>7s} {'gather+sdpa':>12s} {'views+sdpa':>11s} {'views+matmul':>13s} "
+          f"{'views+float32 sdpa':>19s}  (CPU ms per layer)")
     for r in rows:
-        print(f"{r['dtype']:9s} {r['context']:7d} {r['gather+sdpa']:12.2f} {r['views+sdpa']:11.2f} {r['views+matmul']:13.2f}")
+        upcast = f"{r['views+float32 sdpa']:19.2f}" if "views+float32 sdpa" in r else f"{'-':>19s}"
+        print(f"{r['dtype']:9s} {r['context']:7d} {r['gather+sdpa']:12.2f} {r['views+sdpa']:11.2f} "
+              f"{r['views+matmul']:13.2f} {upcast}")
     print("RESULT", json.dumps({"threads": args.threads, "rows": rows}))
 
 

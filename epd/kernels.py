@@ -248,22 +248,20 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """One request's decode-step attention: ``query [1, heads, 1, dim]`` over its ``keys`` and
     ``values`` ``[T, kv_heads, dim]`` (token rows of the paged pool, typically a view of it: any
     row stride). Grouped-query: query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
-    transformers' ``repeat_kv``. Returns ``[1, heads, 1, dim]``.
+    transformers' ``repeat_kv``. Returns ``[1, heads, 1, dim]`` in the query's dtype.
 
-    float32 (the exactness mode) goes through ``scaled_dot_product_attention``, as transformers'
-    sdpa attention does. Other dtypes use two matrix products with a float32 softmax: on this
-    project's CPUs the fused kernel in bfloat16 is 4-5x slower than that for one query row
-    (docs/BENCHMARKS.md, "Decode attention").
+    ``scaled_dot_product_attention`` in float32, as transformers' sdpa attention (float32 is the
+    exactness mode). On a CPU other dtypes are converted to float32 first: for one query row the
+    fused bfloat16 kernel is 6-8x slower on this project's CPUs than converting the request's
+    rows and running the float32 one, and bfloat16 matrix products 1.8-2x slower
+    (``python -m bench.decode_attention``; docs/BENCHMARKS.md, "Decode attention").
     """
-    if query.dtype == torch.float32 or query.device.type != "cpu":
-        return F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
-                                              values.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=True)
-    heads, dim = query.shape[1], query.shape[3]
-    kv_heads = keys.shape[1]
-    grouped = query.view(kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.permute(1, 2, 0))  # [kv_heads, group, T]
-    probs = torch.softmax(scores.float().mul_(scale), dim=-1).to(values.dtype)
-    return torch.matmul(probs, values.transpose(0, 1)).view(1, heads, 1, dim)
+    dtype = query.dtype
+    if dtype != torch.float32 and query.device.type == "cpu":
+        query, keys, values = query.float(), keys.float(), values.float()
+    out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
+                                         values.transpose(0, 1).unsqueeze(0), scale=scale, enable_gqa=True)
+    return out.to(dtype)
 
 
 # ---------------------------------------------------------------- linear layers on a CPU
