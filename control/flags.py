@@ -69,6 +69,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--max-images-per-request", "serve.router.max_images_per_request"),
     _flag("--max-request-mb", "serve.router.max_request_mb"),
     _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
+    _flag("--prefill-routing", "serve.router.prefill_routing"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),

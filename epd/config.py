@@ -264,9 +264,16 @@ class RouterConfig:
     allow_special_tokens: bool = False
     """Trusted callers only: control tokens in request text (<|im_start|>, <|im_end|>, ...) are
     tokenized as the tokens they name instead of as plain text, so a caller can write turns itself."""
+    prefill_routing: str = "epd"
+    """How a request's prefill replica is chosen: epd (least expected time to first token: queued
+    work plus the prompt tokens the replica's prefix cache does not hold, never past 1.5x the mean
+    queued work), least-load (fewest calls in flight), round-robin, or affinity (longest cached prefix)."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
+        if self.prefill_routing not in ("epd", "least-load", "round-robin", "affinity"):
+            raise ConfigError(f"router.prefill_routing must be one of epd, least-load, round-robin, affinity; "
+                              f"got {self.prefill_routing!r}")
         _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
         _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")
         _check_range(self.max_queued_requests, -1, 1 << 20, "router.max_queued_requests")

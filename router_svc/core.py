@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from epd import discovery, errors, limits, logs, rpc
+from epd import discovery, errors, limits, logs, prefix, routing, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -64,7 +64,9 @@ class RouterCore:
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
                         "retried_prefills": 0, "inline_images": 0, "refused": 0,
-                        "preempted": 0}
+                        "preempted": 0, "routed_cached_tokens": 0}
+        # least-load is the balancer's own order (no route): what every other role's calls use
+        self._policy = None if config.prefill_routing == "least-load" else routing.make_policy(config.prefill_routing)
         self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
         self.active: set[asyncio.Task] = set()
         self.waiting = 0  # requests accepted and not yet streaming their first token
@@ -360,10 +362,35 @@ class RouterCore:
             cache_salt=run.cache_salt,
         )
 
+    def _route(self, job: epd_pb2.PrefillRequest) -> routing.PrefillRoute | None:
+        """How this prefill job picks its replica (``router.prefill_routing``); None: least load,
+        the balancer's own order. The prefix keys are prefill's own (``epd.prefix``)."""
+        if self._policy is None:
+            return None
+        info = self.builder.info
+        grids = [(image.merged_height, image.merged_width) for image in job.images]
+        keys = [image.store_key for image in job.images]
+
+        def hashes_for(block_size: int) -> list[bytes]:
+            return prefix.request_block_hashes(job.token_ids, job.num_generated, grids, keys, info.image_token_id,
+                                               block_size, info.fingerprint, job.cache_salt)[1]
+
+        return routing.PrefillRoute(self._policy, len(job.token_ids), hashes_for)
+
+    async def _call_prefill(self, run: RouterRequest, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
+        route = self._route(job)
+        reply, address = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True,
+                                                 route=route)
+        if route is not None and route.chosen is not None:
+            log.debug("request %s: prefill at %s (expected %d cached tokens, %d queued there; prefill had %d)",
+                      run.attempt_id, address, route.chosen.cached_tokens, route.chosen.replica.queued_tokens,
+                      reply.cached_tokens)
+        self._count(routed_cached_tokens=route.chosen.cached_tokens if route is not None and route.chosen else 0)
+        return reply
+
     async def _prefill(self, run: RouterRequest, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
-            reply, _ = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True)
-            return reply
+            return await self._call_prefill(run, job)
         except rpc.RpcFailure as failure:
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -374,9 +401,7 @@ class RouterCore:
         inline = await self._ensure_embeddings(run, force=True)
         generated = list(job.token_ids[len(run.prompt.token_ids):])
         run.to(RouteStatus.PREFILLING, "with the embeddings inline")
-        reply, _ = await self.prefill.call("Prefill", self._attempts(run, self._prefill_job(run, inline, generated)),
-                                           run.remaining(), busy_next=True)
-        return reply
+        return await self._call_prefill(run, self._prefill_job(run, inline, generated))
 
     @staticmethod
     def _attempts(run: RouterRequest, job: epd_pb2.PrefillRequest):
@@ -497,6 +522,9 @@ class RouterCore:
             .add(self._flights.num_joined),
             counter("epd_prefix_cache_hit_tokens_total", "Prompt tokens prefill took from its prefix cache")
             .add(counts["prefix_tokens"]),
+            counter("epd_prefill_routed_cached_tokens_total", "Prompt tokens the router expected the chosen prefill "
+                    "replica's prefix cache to hold (compare epd_prefix_cache_hit_tokens_total)")
+            .add(counts["routed_cached_tokens"]),
             counter("epd_requests_resumed_total", "Times a request moved to another decode worker after its "
                     "worker died").add(counts["resumes"]),
             counter("epd_requests_preempted_total", "Times decode preempted a request to free K/V memory (it "

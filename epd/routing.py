@@ -1,0 +1,179 @@
+"""Which prefill replica a request goes to: the router's policies, plain Python.
+
+The router knows, for each prefill replica that takes work, the calls it has in flight there,
+the prefill work it sent there and that has not come back (in prompt tokens still to compute),
+and the replica's own last report (``discovery.Load``: its queued tokens and a summary of the
+prefix snapshots it holds). A ``PrefillRoute`` is one request's view of that: for each replica the
+tokens of this prompt its prefix cache would serve (``epd.prefix.cached_tokens``, the same keys
+and the same search as the cache itself), and the work queued there.
+
+Policies (``router.prefill_routing``):
+
+- ``least-load``: fewest calls in flight (ties: the one picked least recently). Blind to caches.
+- ``round-robin``: each replica in turn.
+- ``affinity``: the longest cached prefix (ties: least load). Blind to load.
+- ``epd`` (default): the smallest expected time to first token, measured in prompt tokens still
+  to compute: the replica's queued work plus this prompt's tokens it does not hold. The balance
+  rule: a replica whose queued work exceeds ``BALANCE_FACTOR`` times the mean queued work of the
+  replicas (plus ``BALANCE_SLACK_TOKENS``, so an idle fleet is no constraint) is passed over
+  whatever it holds; the least loaded replica is never passed over. So affinity can make one
+  replica at most 1.5x as busy as the mean, never pile the work onto it.
+
+Decode workers (``DecodeRoute``, prefill's handoff): among the workers whose free K/V memory
+(as last reported, less what waits there) holds the request, the one with the fewest handoffs
+waiting there plus calls in flight from this prefill replica (ties: the balancer's order, least
+recently picked first); when none has room, the same order over all of them (decode's Reserve then
+says which is full).
+
+``Balancer.pick`` (``epd.discovery``) asks a route to choose among the replicas its breakers
+allow; the simulator (``bench/simulate.py``) drives the same classes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from epd.prefix import cached_tokens
+
+BALANCE_FACTOR = 1.5
+BALANCE_SLACK_TOKENS = 256
+POLICY_NAMES = ("epd", "least-load", "round-robin", "affinity")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One allowed prefill replica as a route sees it, in the balancer's order (least calls in
+    flight, then least recently picked)."""
+
+    name: str
+    calls: int  # this router's calls in flight to it
+    sent_tokens: int  # prompt tokens this router sent it that are not computed yet (its own estimate)
+    reported_tokens: int  # the tokens queued there, as the replica last reported (every router's work)
+    block_size: int  # its prefix keys' block size; 0: it has no prefix cache
+    held: Container[bytes]  # its prefix summary (epd.prefix.decode_summary)
+    free_kv_tokens: int = -1  # decode: K/V tokens free, less what is waiting or reserved (-1: not told)
+    num_waiting: int = 0  # decode: handoffs waiting for the batch or on the way
+
+    @property
+    def queued_tokens(self) -> int:
+        """Work queued there: the larger of what this router knows it sent and what the replica last said."""
+        return max(self.sent_tokens, self.reported_tokens)
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: Replica
+    cached_tokens: int
+    work_tokens: int  # what this prompt adds to the replica's queue
+
+
+class Route(Protocol):
+    """What ``Balancer.pick`` asks: choose one of the allowed replicas (given in the balancer's
+    order); ``chosen`` is the last choice (its ``work_tokens`` count against the replica)."""
+
+    chosen: Choice | None
+
+    def choose(self, replicas: Sequence[Replica]) -> Choice: ...
+
+
+class Policy:
+    name = ""
+
+    def choose(self, choices: Sequence[Choice]) -> Choice:
+        raise NotImplementedError
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def choose(self, choices: Sequence[Choice]) -> Choice:
+        return choices[0]  # the balancer's order is already least calls, then least recently picked
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, choices: Sequence[Choice]) -> Choice:
+        ordered = sorted(choices, key=lambda c: c.replica.name)
+        return ordered[next(self._turn) % len(ordered)]
+
+
+class AffinityOnly(Policy):
+    name = "affinity"
+
+    def choose(self, choices: Sequence[Choice]) -> Choice:
+        return max(choices, key=lambda c: c.cached_tokens)  # max keeps the first (least loaded) of ties
+
+
+class ExpectedTTFT(Policy):
+    """epd's: the least expected time to first token among the replicas the balance rule allows."""
+
+    name = "epd"
+
+    def __init__(self, balance_factor: float = BALANCE_FACTOR, slack_tokens: int = BALANCE_SLACK_TOKENS) -> None:
+        self.balance_factor = balance_factor
+        self.slack_tokens = slack_tokens
+
+    def choose(self, choices: Sequence[Choice]) -> Choice:
+        queued = [c.replica.queued_tokens for c in choices]
+        limit = self.balance_factor * sum(queued) / len(queued) + self.slack_tokens
+        least = min(queued)
+        allowed = [c for c, q in zip(choices, queued) if q <= limit or q == least]
+        return min(allowed, key=lambda c: (c.replica.queued_tokens + c.work_tokens, c.replica.queued_tokens))
+
+
+def make_policy(name: str) -> Policy:
+    policies = {"epd": ExpectedTTFT, "least-load": LeastLoad, "round-robin": RoundRobin, "affinity": AffinityOnly}
+    if name not in policies:
+        raise ValueError(f"prefill routing must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+    return policies[name]()
+
+
+class PrefillRoute:
+    """One prefill request's choice of replica. ``hashes_for(block_size)`` gives the request's
+    prefix keys for a block size (computed once per size, on first use)."""
+
+    def __init__(self, policy: Policy, num_tokens: int, hashes_for: Callable[[int], Sequence[bytes]]) -> None:
+        self.policy = policy
+        self.num_tokens = num_tokens
+        self._hashes_for = hashes_for
+        self._hashes: dict[int, Sequence[bytes]] = {}
+        self.chosen: Choice | None = None
+
+    def cached_tokens(self, replica: Replica) -> int:
+        if not replica.block_size:
+            return 0
+        hashes = self._hashes.get(replica.block_size)
+        if hashes is None:
+            hashes = self._hashes[replica.block_size] = self._hashes_for(replica.block_size)
+        return cached_tokens(hashes, self.num_tokens, replica.block_size, replica.held)
+
+    def choose(self, replicas: Sequence[Replica]) -> Choice:
+        choices = []
+        for replica in replicas:
+            cached = self.cached_tokens(replica)
+            choices.append(Choice(replica, cached, self.num_tokens - cached))
+        self.chosen = self.policy.choose(choices)
+        return self.chosen
+
+
+class DecodeRoute:
+    """One handoff's choice of decode worker (see the module docstring)."""
+
+    def __init__(self, need_tokens: int) -> None:
+        self.need_tokens = need_tokens
+        self.chosen: Choice | None = None
+
+    def choose(self, replicas: Sequence[Replica]) -> Choice:
+        def fits(r: Replica) -> bool:
+            return r.free_kv_tokens < 0 or r.free_kv_tokens >= self.need_tokens
+
+        best = min(replicas, key=lambda r: (not fits(r), r.num_waiting + r.calls))  # min keeps the balancer's order
+        self.chosen = Choice(best, 0, 0)
+        return self.chosen
