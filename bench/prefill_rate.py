@@ -1,6 +1,6 @@
 """``epd bench simulate --measure MODEL``: this machine's prefill cost, ``fixed_s + per_token_s x tokens``
 for one prompt (chunked as prefill chunks it, ``prefill.chunk_tokens``), fitted by least squares
-over a few prompt lengths (best of a few runs each). The simulator's replicas compute at this rate."""
+over a few prompt lengths (best of seven runs each, one torch thread). The simulator's replicas compute at this rate."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from epd.lm import TextModelRunner
 LENGTHS = (64, 256, 1024, 2048)
 
 
-def time_prefill(runner: TextModelRunner, num_tokens: int, chunk_tokens: int, repeats: int = 3) -> float:
+def time_prefill(runner: TextModelRunner, num_tokens: int, chunk_tokens: int, repeats: int = 7) -> float:
     token_ids = torch.randint(0, runner.vocab_size, (num_tokens,))
     embeds = runner.embed(token_ids)
     pos, _ = positions.mrope_positions(num_tokens, [])
@@ -30,7 +30,10 @@ def time_prefill(runner: TextModelRunner, num_tokens: int, chunk_tokens: int, re
     return best
 
 
-def measure(model_dir: str, dtype: str = "float32", lengths=LENGTHS) -> dict:
+def measure(model_dir: str, dtype: str = "float32", lengths=LENGTHS, threads: int = 1) -> dict:
+    """``threads``: torch threads, one by default (a replica per core; on a shared machine more
+    threads mostly measure the contention)."""
+    torch.set_num_threads(threads)
     runner = TextModelRunner.load(model_dir, dtype=dtype)
     chunk = PrefillConfig().chunk_tokens
     time_prefill(runner, 64, chunk, repeats=1)  # warm-up

@@ -427,6 +427,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routers", type=_int_in(1, 1024), default=d.routers)
     parser.add_argument("--prefix-cache-mb", type=_int_in(0, 1 << 20), default=d.prefix_cache_mb)
     parser.add_argument("--think-s", type=_float_in(0, 1e4), default=d.think_s)
+    parser.add_argument("--system-tokens", type=_int_in(0, 10**5), default=d.system_tokens,
+                        help="a system prompt every conversation starts with (a long one is a prefix all share)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows (and the rate) as JSON")
     parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write the figures as a PNG")
@@ -452,6 +454,7 @@ def _cmd_bench_simulate(args) -> int:
     config = simulate.SimConfig(
         conversations_per_replica=args.conversations_per_replica, turns=args.turns, utilization=args.utilization,
         routers=args.routers, prefix_cache_mb=args.prefix_cache_mb, think_s=args.think_s, seed=args.seed,
+        system_tokens=args.system_tokens,
         **{k: rate[k] for k in ("per_token_s", "fixed_s", "kv_bytes_per_token", "linear_state_bytes") if k in rate})
     simulate.main(args.replicas, config, args.json_path, args.plot_path)
     return 0

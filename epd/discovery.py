@@ -370,6 +370,7 @@ class Balancer:
         self._stranded: dict[str, float] = {}  # name -> when it last said nothing behind it serves
         self._sent_tokens: dict[str, int] = {}  # routed calls in flight: the work they carry, by replica
         self._held: dict[str, tuple[bytes, frozenset[bytes]]] = {}  # name -> (its summary, decoded)
+        self._holders: dict[bytes, set[str]] = {}  # summary key -> the replicas holding it
         self._lock = threading.Lock()
 
     def update(self, endpoints: list[Endpoint]) -> None:
@@ -381,10 +382,24 @@ class Balancer:
                     self._breakers.pop(name, None)  # a restarted replica: a clean slate
                 summary = endpoint.load.prefix_summary
                 if self._held.get(name, (None,))[0] != summary:
-                    self._held[name] = (summary, prefix.decode_summary(summary))
+                    self._hold(name, summary)
             self._live = live
             for name in [n for n in self._held if n not in live]:
-                del self._held[name]
+                self._hold(name, None)
+
+    def _hold(self, name: str, summary: bytes | None) -> None:
+        """Record ``name``'s prefix summary (None: forget it), in the index from key to holders too."""
+        _, old = self._held.pop(name, (b"", frozenset()))
+        new = prefix.decode_summary(summary) if summary is not None else frozenset()
+        for key in old - new:
+            holding = self._holders[key]
+            holding.discard(name)
+            if not holding:
+                del self._holders[key]
+        for key in new - old:
+            self._holders.setdefault(key, set()).add(name)
+        if summary is not None:
+            self._held[name] = (summary, new)
 
     def pick(self, exclude: set[str] | frozenset[str] = frozenset(),
              route: routing.Route | None = None) -> tuple[str, Endpoint]:
@@ -399,7 +414,7 @@ class Balancer:
             allowed.sort(key=lambda n: (self._outstanding.get(n, 0), self._last_pick.get(n, -1)))
             name = allowed[0]
             if route is not None:
-                choice = route.choose([self._replica(n) for n in allowed])
+                choice = route.choose([self._replica(n) for n in allowed], self._holders)
                 name = choice.replica.name
                 self._sent_tokens[name] = self._sent_tokens.get(name, 0) + choice.work_tokens
             self._breaker(name).begin()

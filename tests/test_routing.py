@@ -156,3 +156,17 @@ def test_a_load_report_updates_the_registry_and_keeps_health_and_drain():
     (listed,) = registry.snapshot(role="prefill").endpoints
     assert listed.load.queued_tokens == 7 and listed.draining
     assert registry.snapshot(role="decode").endpoints == []
+
+
+def test_the_holders_index_finds_what_each_replica_summary_says():
+    rng = random.Random(1)
+    blocks = [rng.randbytes(32) for _ in range(40)]
+    held = {f"prefill-{i}": blocks[:rng.randint(0, 40)] for i in range(12)}
+    balancer = _balancer(12, held)
+    balancer.update([Endpoint(name=n, role="prefill", address=n, incarnation="x",  # one changes what it holds
+                              load=Load(prefix_summary=prefix.encode_summary(held[n][:3] if n == "prefill-5" else held[n]),
+                                        prefix_block_size=BLOCK)) for n in held])
+    route = _route(routing.AffinityOnly(), blocks, len(blocks) * BLOCK)
+    replicas = balancer.replicas()
+    assert route.cached_by_replica(replicas, balancer._holders) == {
+        r.name: route.cached_tokens(r) for r in replicas if route.cached_tokens(r)}
