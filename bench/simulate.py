@@ -201,7 +201,9 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
     """Run the trace through ``config.routers`` routers using ``policy_name``; returns every turn's times."""
     replicas = {f"prefill-{i}": SimReplica(f"prefill-{i}", config) for i in range(config.num_replicas)}
     balancers = [Balancer("prefill") for _ in range(config.routers)]
-    policies = [None if policy_name == "least-load" else routing.make_policy(policy_name) for _ in balancers]
+    clock = [0.0]  # the simulation's time, which the policies read
+    policies = [None if policy_name == "least-load" else routing.make_policy(policy_name, lambda: clock[0])
+                for _ in balancers]
     seen_loads = {name: Load(prefix_block_size=config.block_size) for name in replicas}
 
     def endpoints() -> list[Endpoint]:
@@ -243,6 +245,7 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
 
     while events:
         now, _, kind, args = heapq.heappop(events)
+        clock[0] = now
         if kind == "arrive":
             conversation, index = args
             token_ids = prompt_of(config, conversation, index)

@@ -14,10 +14,11 @@ Policies (``router.prefill_routing``):
 - ``affinity``: the longest cached prefix (ties: least load). Blind to load.
 - ``epd`` (default): the smallest expected time to first token, measured in prompt tokens still
   to compute: the replica's queued work plus this prompt's tokens it does not hold. The balance
-  rule: a replica whose queued work exceeds ``BALANCE_FACTOR`` times the mean queued work of the
-  replicas (plus ``BALANCE_SLACK_TOKENS``, so an idle fleet is no constraint) is passed over
-  whatever it holds; the least loaded replica is never passed over. So affinity can make one
-  replica at most 1.5x as busy as the mean, never pile the work onto it.
+  rule: a replica whose queued work, or whose work sent by this router in the last ``RECENT_S``
+  (decaying), exceeds ``BALANCE_FACTOR`` times the mean of the replicas (plus
+  ``BALANCE_SLACK_TOKENS``, so an idle fleet is no constraint) is passed over whatever it holds;
+  the least loaded replica is never passed over. So affinity can make one replica at most about
+  1.5x as busy as the mean, never pile the work onto it.
 
 Decode workers (``DecodeRoute``, prefill's handoff): among the workers whose free K/V memory
 (as last reported, less what waits there) holds the request, the one with the fewest handoffs
@@ -32,6 +33,8 @@ allow; the simulator (``bench/simulate.py``) drives the same classes.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +43,7 @@ from epd.prefix import cached_tokens, lookup_blocks, summary_key
 
 BALANCE_FACTOR = 1.5
 BALANCE_SLACK_TOKENS = 256
+RECENT_S = 30.0  # the time constant of "work sent recently" in the balance rule
 POLICY_NAMES = ("epd", "least-load", "round-robin", "affinity")
 
 
@@ -112,24 +116,52 @@ class AffinityOnly(Policy):
 
 
 class ExpectedTTFT(Policy):
-    """epd's: the least expected time to first token among the replicas the balance rule allows."""
+    """epd's: the least expected time to first token among the replicas the balance rule allows.
+
+    The rule looks at two measures of load, each against ``balance_factor`` times its mean over the
+    replicas plus ``slack_tokens``: the work queued now, and the work this router sent each replica
+    recently (decaying with time constant ``recent_s``). The second keeps a prefix every
+    conversation shares (a long system prompt) from drawing every new conversation, and then
+    every later turn of them, to the one replica that holds it while queues stay short: once that
+    replica has had its share, new work goes elsewhere and the prefix is cached there too."""
 
     name = "epd"
 
-    def __init__(self, balance_factor: float = BALANCE_FACTOR, slack_tokens: int = BALANCE_SLACK_TOKENS) -> None:
+    def __init__(self, balance_factor: float = BALANCE_FACTOR, slack_tokens: int = BALANCE_SLACK_TOKENS,
+                 recent_s: float = RECENT_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.balance_factor = balance_factor
         self.slack_tokens = slack_tokens
+        self.recent_s = recent_s
+        self.clock = clock
+        self._recent: dict[str, tuple[float, float]] = {}  # name -> (decayed work sent, as of when)
+
+    def recent_tokens(self, name: str, now: float) -> float:
+        work, when = self._recent.get(name, (0.0, now))
+        return work * math.exp(-(now - when) / self.recent_s)
+
+    def _within(self, loads: list[float]) -> list[bool]:
+        limit = self.balance_factor * sum(loads) / len(loads) + self.slack_tokens
+        least = min(loads)
+        return [load <= limit or load == least for load in loads]
 
     def choose(self, choices: Sequence[Choice]) -> Choice:
+        now = self.clock()
         queued = [c.replica.queued_tokens for c in choices]
-        limit = self.balance_factor * sum(queued) / len(queued) + self.slack_tokens
-        least = min(queued)
-        allowed = [c for c, q in zip(choices, queued) if q <= limit or q == least]
-        return min(allowed, key=lambda c: (c.replica.queued_tokens + c.work_tokens, c.replica.queued_tokens))
+        recent = [self.recent_tokens(c.replica.name, now) for c in choices]
+        allowed = [c for c, ok_queued, ok_recent in zip(choices, self._within(queued), self._within(recent))
+                   if ok_queued and ok_recent]
+        if not allowed:  # each measure spares its least loaded replica, but not always the same one
+            allowed = [c for c, ok in zip(choices, self._within(queued)) if ok]
+        best = min(allowed, key=lambda c: (c.replica.queued_tokens + c.work_tokens, c.replica.queued_tokens))
+        self._recent[best.replica.name] = (self.recent_tokens(best.replica.name, now) + best.work_tokens, now)
+        return best
 
 
-def make_policy(name: str) -> Policy:
-    policies = {"epd": ExpectedTTFT, "least-load": LeastLoad, "round-robin": RoundRobin, "affinity": AffinityOnly}
+def make_policy(name: str, clock: Callable[[], float] = time.monotonic) -> Policy:
+    """The policy called ``name``; ``clock`` is its time (the simulator passes its own)."""
+    policies = {"least-load": LeastLoad, "round-robin": RoundRobin, "affinity": AffinityOnly}
+    if name == "epd":
+        return ExpectedTTFT(clock=clock)
     if name not in policies:
         raise ValueError(f"prefill routing must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
     return policies[name]()
