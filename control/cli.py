@@ -427,6 +427,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routers", type=_int_in(1, 1024), default=d.routers)
     parser.add_argument("--prefix-cache-mb", type=_int_in(0, 1 << 20), default=d.prefix_cache_mb)
     parser.add_argument("--think-s", type=_float_in(0, 1e4), default=d.think_s)
+    parser.add_argument("--tpot-s", type=_float_in(0, 10), default=d.tpot_s,
+                        help="decode time per answer token (the next turn comes after the answer and the think time)")
     parser.add_argument("--system-tokens", type=_int_in(0, 10**5), default=d.system_tokens,
                         help="a system prompt every conversation starts with (a long one is a prefix all share)")
     parser.add_argument("--seed", type=int, default=0)
@@ -454,7 +456,7 @@ def _cmd_bench_simulate(args) -> int:
     config = simulate.SimConfig(
         conversations_per_replica=args.conversations_per_replica, turns=args.turns, utilization=args.utilization,
         routers=args.routers, prefix_cache_mb=args.prefix_cache_mb, think_s=args.think_s, seed=args.seed,
-        system_tokens=args.system_tokens,
+        system_tokens=args.system_tokens, tpot_s=args.tpot_s,
         **{k: rate[k] for k in ("per_token_s", "fixed_s", "kv_bytes_per_token", "linear_state_bytes") if k in rate})
     simulate.main(args.replicas, config, args.json_path, args.plot_path)
     return 0
