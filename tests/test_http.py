@@ -219,8 +219,10 @@ def test_refused_images_are_400_and_never_fetched(stack, where, message):
 def test_errors_come_in_openai_shape(stack):
     ok = {"model": MODEL, "messages": _chat("hello"), "max_tokens": 2}
     cases = [
-        ({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}, KEY, 400, "tools: not supported"),
-        ({**ok, "response_format": {"type": "json_object"}}, KEY, 400, "response_format: not supported"),
+        ({**ok, "functions": [{"name": "f"}]}, KEY, 400, "functions: not supported"),  # the deprecated form of tools
+        ({**ok, "prompt_logprobs": 1}, KEY, 400, "prompt_logprobs: not supported"),
+        ({**ok, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, KEY, 400,
+         "invalid json schema"),
         ({**ok, "n": 17}, KEY, 400, "n must be an integer in [1, 16]"),
         ({**ok, "logit_bias": {"x": 1}}, KEY, 400, "logit_bias: key 'x' is not a token id"),
         ({**ok, "stream_options": {"include_usage": True}}, KEY, 400, "only allowed with stream"),
