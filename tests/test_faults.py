@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -18,21 +17,15 @@ import pytest
 from bench.synthetic import make_image
 from epd import client, discovery, rpc
 from epd.v1 import epd_pb2_grpc
-from tests.conftest import ServeProcess, epd, epd_status, ray_address, serving
+from tests.conftest import ServeProcess, epd, epd_status, free_port, ray_address, serving
 
 IMAGE = make_image(128, 128, seed=900)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, tmp_path_factory):
     """One replica of every role; decode batches up to 64 requests."""
-    ports = {role: _free_port() for role in ("router", "prefill", "decode")}
+    ports = {role: free_port() for role in ("router", "prefill", "decode")}
     with serving(tiny_model_dir, "--max-batch-size", "64", "--decode-metrics-port", str(ports["decode"]),
                  "--router-metrics-port", str(ports["router"]), "--prefill-metrics-port", str(ports["prefill"]),
                  "--log-level", "INFO", log_path=str(tmp_path_factory.mktemp("logs") / "single.log")) as server:
