@@ -62,7 +62,8 @@ def _ref_conv(x, weight, bias, activation, window=None):
 
 
 def _ref_conv_step(x, window, weight, bias, activation):
-    return qm.causal_conv1d_update(x.unsqueeze(-1), window, weight, bias, activation)[..., 0]
+    # epd's window is time-major [B, K, C]; transformers' update shifts a [B, C, K] view of it in place
+    return qm.causal_conv1d_update(x.unsqueeze(-1), window.transpose(1, 2), weight, bias, activation)[..., 0]
 
 
 REFERENCE = SimpleNamespace(chunk_gated_delta_rule=_ref_chunk, recurrent_gated_delta_step=_ref_step,

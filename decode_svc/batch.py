@@ -46,7 +46,9 @@ class DecodeBatch:
         rows = self.pool.num_blocks * self.block_size
         self.keys: list[torch.Tensor | None] = [None] * runner.num_layers  # [rows, kv_heads, head_dim]
         self.values: list[torch.Tensor | None] = [None] * runner.num_layers
-        self.conv: list[torch.Tensor | None] = [None] * runner.num_layers  # [max_slots, conv_dim, kernel]
+        # [max_slots, kernel, conv_dim]: time-major (kernels.causal_conv1d_step), a state's [1, conv_dim, kernel]
+        # transposed on the way in and out
+        self.conv: list[torch.Tensor | None] = [None] * runner.num_layers
         self.recurrent: list[torch.Tensor | None] = [None] * runner.num_layers  # [max_slots, v_heads, k, v] float32
         device = runner.device
         for name, shape in runner.state_shapes(1).items():
@@ -56,6 +58,9 @@ class DecodeBatch:
             if kind in ("keys", "values"):
                 _, heads, _, dim = shape
                 getattr(self, kind)[layer] = torch.empty(rows, heads, dim, dtype=dtype, device=device)
+            elif kind == "conv":
+                _, channels, kernel = shape
+                self.conv[layer] = torch.empty(max_slots, kernel, channels, dtype=dtype, device=device)
             else:
                 getattr(self, kind)[layer] = torch.empty(max_slots, *shape[1:], dtype=dtype, device=device)
         self._step: _StepIndex | None = None
@@ -96,7 +101,7 @@ class DecodeBatch:
                 for pool, src in ((self.keys[layer], state.keys[layer]), (self.values[layer], state.values[layer])):
                     pool.index_copy_(0, rows, src[0].transpose(0, 1))
             else:
-                self.conv[layer][slot] = state.conv[layer][0]
+                self.conv[layer][slot] = state.conv[layer][0].t()
                 self.recurrent[layer][slot] = state.recurrent[layer][0]
         self.lengths.append(length)
         self.tables.append(blocks)
@@ -140,7 +145,7 @@ class DecodeBatch:
                 state.keys[layer] = self.keys[layer].index_select(0, rows).transpose(0, 1).unsqueeze(0).contiguous()
                 state.values[layer] = self.values[layer].index_select(0, rows).transpose(0, 1).unsqueeze(0).contiguous()
             else:
-                state.conv[layer] = self.conv[layer][slot : slot + 1].clone()
+                state.conv[layer] = self.conv[layer][slot].t().unsqueeze(0).contiguous()
                 state.recurrent[layer] = self.recurrent[layer][slot : slot + 1].clone()
         return state
 

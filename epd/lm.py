@@ -84,7 +84,7 @@ class BatchBuffers(Protocol):
     tokens through its block table), per-layer linear-attention slot buffers (``[slots, ...]``; the active slots are the
     leading rows) and each active slot's cached-token count."""
 
-    conv: list[torch.Tensor | None]  # [capacity, conv_dim, kernel] per linear-attention layer
+    conv: list[torch.Tensor | None]  # [capacity, kernel, conv_dim] per linear-attention layer (time-major)
     recurrent: list[torch.Tensor | None]  # [capacity, v_heads, k_dim, v_dim] float32
     lengths: list[int]
 

@@ -190,10 +190,11 @@ def test_conv_step_matches_reference_update(dtype):
     x, weight, bias, window = (t.to(dtype) for t in _conv_inputs(batch=3, length=1, seed=2))
     expected_window = window.clone()
     expected = qm.causal_conv1d_update(x, expected_window, weight, bias, "silu")
-    out = kernels.causal_conv1d_step(x[..., 0], window, weight, bias, "silu")
+    time_major = window.transpose(1, 2).contiguous()  # [B, K, C]: how DecodeBatch keeps it
+    out = kernels.causal_conv1d_step(x[..., 0], time_major, weight, bias, "silu")
     atol = ATOL_FP32 if dtype == torch.float32 else ATOL_HALF
     torch.testing.assert_close(out.float(), expected[..., 0].float(), atol=atol, rtol=0)
-    assert torch.equal(window, expected_window)  # shifted in place, as the reference does
+    assert torch.equal(time_major.transpose(1, 2), expected_window)  # shifted in place, as the reference does
 
 
 # ---------------------------------------------------------------- which implementation runs
