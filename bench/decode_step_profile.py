@@ -1,0 +1,65 @@
+"""One batched decode step in a loop, for profilers: ``python -m bench.decode_step_profile MODEL
+[--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]``.
+
+Prints the median wall and CPU time of a step (after 3 warm-up steps). Run it under
+``py-spy record`` to see where a step goes by Python line, or with ``--table`` for torch's
+profiler table by op (5 more steps). One thread by default: on a shared machine a single
+thread's CPU time moves least with what else runs, and no OpenMP barrier waits are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from decode_svc.batch import DecodeBatch
+from epd import positions
+from epd.lm import TextModelRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--table", action="store_true", help="print torch's profiler table for 5 more steps")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runner = TextModelRunner.load(args.model, dtype=args.dtype)
+    vocab = runner.lm_head_weight.shape[0]
+    pos, _ = positions.mrope_positions(args.context, [])
+    batch = DecodeBatch(runner)
+    tokens = []
+    for slot in range(args.batch):
+        ids = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(slot))
+        state = runner.new_state()
+        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
+        batch.add(state)
+    position = args.context
+    walls, cpus = [], []
+    for _ in range(args.steps + 3):
+        wall, cpu = time.perf_counter(), time.process_time()
+        tokens = runner.decode_step(batch, tokens, [position] * args.batch).argmax(-1).tolist()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        position += 1
+    print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s): "
+          f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU")
+    if args.table:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                tokens = runner.decode_step(batch, tokens, [position] * args.batch).argmax(-1).tolist()
+                position += 1
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
