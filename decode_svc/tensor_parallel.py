@@ -215,10 +215,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def load_shard(model_dir: str, dtype: str, rank: int, world: int, prepack: bool) -> TextModelRunner:
-    """This rank's shard of the language model (on a CPU, its linears pre-packed after the cut)."""
-    from epd import kernels
+    """This rank's shard of the language model (on a CPU, its linears pre-packed after the cut).
 
-    runner = shard_runner(TextModelRunner.load(model_dir, dtype=dtype, device="cpu", prepack=False), rank, world)
+    The whole model is opened in the dtype it is stored in: safetensors maps the files, so no
+    weight is copied until the cut copies this rank's slices (the pages it read are page cache,
+    shared by the ranks), each converted to ``dtype`` as it is cut: a rank never holds a converted
+    copy of the whole model."""
+    from epd import checkpoint, kernels
+    from epd.tensors import dtype_name, parse_dtype
+
+    stored = checkpoint.stored_dtype(model_dir)
+    runner = TextModelRunner.load(model_dir, dtype=dtype_name(stored), device="cpu", prepack=False)
+    runner = shard_runner(runner, rank, world, dtype=parse_dtype(dtype))
     if prepack and kernels.can_prepack(runner.device, runner.dtype):
         kernels.prepack_linears(runner.model)  # not the head: it is this rank's vocabulary rows
     return runner
