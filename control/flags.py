@@ -93,6 +93,10 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--prefill-threads", "serve.prefill.num_threads"),
+    _flag("--decode-threads", "serve.decode.num_threads",
+          help="torch threads of each decode process (each rank of a tensor-parallel replica); 0: every core it may "
+               "run on"),
     _flag("--encoder-max-queued", "serve.encode.max_queued_per_replica"),
     _flag("--encoder-cpus", "serve.encode.cpus", metavar="LIST"),
     _flag("--prefill-cpus", "serve.prefill.cpus", metavar="LIST"),

@@ -26,7 +26,8 @@ bench.tp_driver``, gloo over loopback) each load the checkpoint, shard it, prefi
 decode greedily through ``decode_svc.batch.DecodeBatch`` + ``TextModelRunner.decode_step``.
 ``gather_state`` / ``split_state`` move a request's state between degrees (prefill TP=a, decode
 TP=b: gathered to the whole state, then split), as the handoff would carry it.
-Not yet built: a serving role (prefill or decode replica) of N such processes placed by Ray.
+The serving role is ``decode_svc.tensor_parallel`` (a decode replica of N ranks); a prefill of
+N ranks is not built.
 """
 
 from __future__ import annotations
