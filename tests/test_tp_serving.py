@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from bench.synthetic import make_image
 from epd import client
@@ -116,3 +117,57 @@ def test_a_killed_follower_rank_restarts_its_replica_and_no_request_fails(tiny_m
         again = client.generate(server.address, client.user_request(PROMPT, [], max_tokens=12, temperature=0.0,
                                                                      ignore_eos=True), timeout_s=120)
         assert again.token_ids == want[:12]
+
+
+# ------------------------------------------------------------------ configuration (no stack)
+
+
+def _decode_config(model_dir: str, *argv: str, roles: str = "", tmp_path=None):
+    from control import cli, flags
+
+    config_file = None
+    if roles:
+        config_file = str(tmp_path / "roles.toml")
+        (tmp_path / "roles.toml").write_text(roles)
+    args = cli._parser().parse_args(["serve", "--model", model_dir, *argv])
+    return flags.deploy_config(args, flags.SERVE, config_file).serve.decode
+
+
+def test_tensor_parallel_from_the_flag_or_the_roles_file(tiny_model_dir, tmp_path):
+    assert _decode_config(tiny_model_dir).tensor_parallel == 1
+    assert _decode_config(tiny_model_dir, "--decode-tensor-parallel", "2", "--decode-threads", "1").tensor_parallel == 2
+    roles = "[roles.decode]\nnum_cpus = 2\ntensor_parallel = 2\n"
+    assert _decode_config(tiny_model_dir, roles=roles, tmp_path=tmp_path).tensor_parallel == 2
+    # the flag wins over the file
+    assert _decode_config(tiny_model_dir, "--decode-tensor-parallel", "1", roles=roles,
+                          tmp_path=tmp_path).tensor_parallel == 1
+
+
+@pytest.mark.parametrize("argv, roles, message", [
+    (["--decode-tensor-parallel", "0"], "", "decode.tensor_parallel: must be in [1, 64], got 0"),
+    ([], "[roles.prefill]\ntensor_parallel = 2\n", "tensor_parallel is served for decode only"),
+    ([], "[roles.decode]\ntensor_parallel = \"two\"\n", "roles.decode.tensor_parallel: must be an integer"),
+])
+def test_a_bad_tensor_parallel_is_refused_naming_it(tiny_model_dir, tmp_path, argv, roles, message):
+    from epd.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _decode_config(tiny_model_dir, *argv, roles=roles, tmp_path=tmp_path)
+
+
+def test_a_shard_loaded_in_bfloat16_from_float32_files_equals_a_cut_of_the_bfloat16_model(tiny_model_dir):
+    """load_shard opens the float32 files as stored and converts each slice as it is cut: the same
+    tensors as loading the whole model in bfloat16 and cutting it."""
+    from decode_svc.tensor_parallel import load_shard
+    from epd.lm import TextModelRunner
+    from epd.tensor_parallel import shard_runner
+
+    for rank in range(2):
+        shard = load_shard(tiny_model_dir, "bfloat16", rank, 2, prepack=False)
+        want = shard_runner(TextModelRunner.load(tiny_model_dir, dtype="bfloat16", prepack=False), rank, 2)
+        got, expected = shard.model.state_dict(), want.model.state_dict()
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert torch.equal(shard.lm_head.weight, want.lm_head.weight) and shard.lm_head.weight.dtype == torch.bfloat16
+        assert shard.lm_head_weight is shard.model.embed_tokens.weight  # tiny ties its head: still tied
