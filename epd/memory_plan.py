@@ -273,6 +273,18 @@ def need_of_role(raw: dict, role: str, serve) -> Need:
                      kv_cache_bytes=config.kv_cache_bytes, swap_space_bytes=config.swap_space_bytes)
 
 
+def tensor_parallel_problem(raw: dict, world: int) -> str:
+    """Why the language model of ``raw`` (config.json) cannot be split over ``world`` ranks the way
+    ``epd.tensor_parallel`` splits it ('' when it can): every head count and width it cuts must
+    divide by ``world``."""
+    text = _text(raw)
+    parts = {name: text.get(name) for name in (
+        "num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")}
+    bad = [f"{name} {value}" for name, value in parts.items() if isinstance(value, int) and value % world]
+    return f"the model does not split over {world} ranks ({', '.join(bad)}: not divisible by {world})" if bad else ""
+
+
 def check_role(model_dir, role: str, serve, available: int, where: str) -> Need:
     """In a role's own process, before it reads a weight: raise ``DoesNotFit`` unless what it
     needs fits in ``available`` bytes of ``where`` (its GPU's free memory, or host RAM)."""

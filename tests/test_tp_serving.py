@@ -27,7 +27,7 @@ PROMPT = "Tell me about the weather in three sentences."
 @pytest.fixture(scope="module")
 def tp_stack(tiny_model_dir, tmp_path_factory):
     with serving(tiny_model_dir, "--encoders", "1", "--decode", "1", "--decode-tensor-parallel", "2",
-                 "--max-batch-size", "4", "--log-level", "INFO",
+                 "--decode-threads", "1", "--max-batch-size", "4", "--log-level", "INFO",
                  log_path=str(tmp_path_factory.mktemp("logs") / "serve-tp.log")) as server:
         yield server
 
@@ -70,15 +70,16 @@ def test_status_shows_one_decode_replica(tp_stack):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # two TP=2 replicas are 4 decode processes: slow to start on a loaded 2-core machine
 def test_a_killed_follower_rank_restarts_its_replica_and_no_request_fails(tiny_model_dir, oracle, tmp_path):
     """Two TP=2 decode replicas; while a long stream runs, the follower rank of the replica holding
     it is killed: the replica exits, the stream resumes on the other one (token-identical), and
     the replica comes back with a new follower."""
-    num_tokens = 400
+    num_tokens = 300
     inputs = oracle.inputs(PROMPT, [])
     want = oracle.generate_through_eos(inputs, num_tokens)
     with serving(tiny_model_dir, "--encoders", "1", "--decode", "2", "--decode-tensor-parallel", "2",
-                 "--log-level", "INFO", log_path=str(tmp_path / "serve.log")) as server:
+                 "--decode-threads", "1", "--log-level", "INFO", log_path=str(tmp_path / "serve.log")) as server:
         address = ray_address(server)
         outcome: dict = {}
 
@@ -171,3 +172,15 @@ def test_a_shard_loaded_in_bfloat16_from_float32_files_equals_a_cut_of_the_bfloa
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
         assert torch.equal(shard.lm_head.weight, want.lm_head.weight) and shard.lm_head.weight.dtype == torch.bfloat16
         assert shard.lm_head_weight is shard.model.embed_tokens.weight  # tiny ties its head: still tied
+
+
+def test_serve_refuses_a_degree_the_model_does_not_split_by_before_ray_starts(tiny_model_dir, capsys):
+    from control import cli
+
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", tiny_model_dir, "--decode-tensor-parallel", "3"])
+    assert exit_.value.code == 2 and time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "decode.tensor_parallel = 3: the model does not split over 3 ranks (num_attention_heads 4, " \
+           "num_key_value_heads 2" in err and "Traceback" not in err
