@@ -184,3 +184,18 @@ def test_serve_refuses_a_degree_the_model_does_not_split_by_before_ray_starts(ti
     err = capsys.readouterr().err
     assert "decode.tensor_parallel = 3: the model does not split over 3 ranks (num_attention_heads 4, " \
            "num_key_value_heads 2" in err and "Traceback" not in err
+
+
+def test_the_memory_plan_counts_what_each_more_rank_holds(tiny_model_dir):
+    import dataclasses
+
+    from epd import memory_plan
+    from epd.config import DecodeConfig, ServeConfig
+
+    raw = memory_plan.read_raw_config(tiny_model_dir)
+    one = ServeConfig(model_dir=tiny_model_dir)
+    two = dataclasses.replace(one, decode=DecodeConfig(tensor_parallel=2))
+    plain, split = memory_plan.need_of_role(raw, "decode", one), memory_plan.need_of_role(raw, "decode", two)
+    embedding = memory_plan.count_params(raw).embedding * 4
+    assert split.total - plain.total == embedding + 512 * memory_plan.MIB
+    assert split.parts["embedding in 1 more ranks"] == embedding
