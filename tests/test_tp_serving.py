@@ -4,7 +4,9 @@ Ray actor, rank 1 a local process it starts, gloo over loopback), each holding h
 sharded weight and half of every request's K/V and linear state. A plain (TP=1) prefill hands it
 the whole state. Greedy tokens equal transformers' generate (float32) for text, an image and
 concurrent requests sharing steps; a follower rank killed under a stream takes its replica down,
-the stream resumes on the other decode replica and the killed one comes back."""
+the stream resumes on the other decode replica and the killed one comes back (these three start
+stacks: slow). In the default suite: the same engine and ranks without a stack (rank 0 in the
+test process, rank 1 a real process), preemption by swap included, and the configuration."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def _followers(address: str) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.slow  # a stack of its own (~25-85 s to start); test_tp2_engine_... below is the default one
 def test_tp2_decode_is_token_identical_to_transformers(tp_stack, oracle):
     assert len(_followers(ray_address(tp_stack))) == 1  # rank 1 of the one decode replica runs
     image = make_image(448, 448, seed=1)
@@ -64,6 +67,7 @@ def test_tp2_decode_is_token_identical_to_transformers(tp_stack, oracle):
         assert result is not None and result.token_ids == want
 
 
+@pytest.mark.slow
 def test_status_shows_one_decode_replica(tp_stack):
     decode = epd_status(ray_address(tp_stack))["roles"]["decode"]
     assert len(decode) == 1 and decode[0].get("kv")  # one replica to the router and status, its pool reported
@@ -199,3 +203,62 @@ def test_the_memory_plan_counts_what_each_more_rank_holds(tiny_model_dir):
     embedding = memory_plan.count_params(raw).embedding * 4
     assert split.total - plain.total == embedding + 512 * memory_plan.MIB
     assert split.parts["embedding in 1 more ranks"] == embedding
+
+
+def test_tp2_engine_decodes_like_transformers_through_swap(tiny_model_dir, oracle):
+    """Rank 0 in this process (``TensorParallelGroup``: a real rank-1 process, gloo), the real
+    ``DecodeEngine`` over ``TPBatch``: three requests prefilled by a plain one-process runner (their
+    whole states handed in, as a TP=1 prefill hands them) decode in shared steps in a K/V pool too
+    small for all three, so requests are swapped out (whole state gathered from both ranks) and
+    back in (split again): every answer equals transformers' greedy tokens."""
+    import queue
+
+    from bench import tp_driver
+    from decode_svc.engine import DecodeEngine
+    from decode_svc.tensor_parallel import TensorParallelGroup
+    from epd.config import DecodeConfig
+    from epd.lm import TextModelRunner
+    from epd.sampling import SamplingConfig
+
+    prompts = [PROMPT, "Name three colours.", "Count from one to ten, slowly."]
+    num_tokens = 40
+    inputs = [oracle.inputs(prompt, []) for prompt in prompts]
+    want = [oracle.generate_through_eos(one, num_tokens) for one in inputs]
+    plain = TextModelRunner.load(tiny_model_dir, prepack=False)
+    handoffs = []
+    for one in inputs:
+        ids = one["input_ids"][0].tolist()
+        state, logits = tp_driver.prefill(plain, ids)
+        handoffs.append((len(ids), state, int(logits.argmax())))
+    longest = max(length for length, _, _ in handoffs) + num_tokens
+    block = 16
+    # room for two of the three at their longest, not three: the youngest is swapped out
+    config = DecodeConfig(max_batch_size=4, kv_block_tokens=block,
+                          kv_cache_bytes=2 * (-(-longest // block) + 1) * block * plain.kv_bytes_per_token(),
+                          swap_space_bytes=64 << 20)
+    group = TensorParallelGroup(tiny_model_dir, 2, "float32", True, 1, "")
+    engine = None
+    try:
+        engine = DecodeEngine(group.runner, frozenset(), config, make_batch=group.make_batch)
+        assert engine.capacity_tokens() < 3 * longest
+        events: dict[str, queue.Queue] = {}
+        for index, (length, state, first) in enumerate(handoffs):
+            request_id = f"r{index}"
+            events[request_id] = queue.Queue()
+            engine.submit(request_id, length, 0, first, SamplingConfig(max_tokens=num_tokens, ignore_eos=True),
+                          state, deadline_unix=0)
+            assert engine.claim(request_id, events[request_id].put) is not None
+        for index, (_, _, first) in enumerate(handoffs):
+            tokens = [first]
+            while True:
+                event = events[f"r{index}"].get(timeout=120)
+                if event.token_id >= 0:
+                    tokens.append(event.token_id)
+                if event.finish_reason is not None:
+                    break
+            assert tokens == want[index], index
+        assert engine.scheduler.preempted.get("swap", 0) >= 1  # the pool was too small: swapped out and back
+    finally:
+        if engine is not None:
+            engine.stop()
+        group.stop()
