@@ -481,8 +481,9 @@ def stored_dtype(model_dir, prefix: str = TEXT_PREFIX) -> torch.dtype:
     for fname in _weight_files(model_dir):
         _, header = _read_header(model_dir / fname)
         for name, entry in header.items():
-            if name != "__metadata__" and name.startswith(prefix) and by_name.get(entry["dtype"], torch.int8).is_floating_point:
-                return by_name[entry["dtype"]]
+            dtype = by_name.get(entry["dtype"], torch.int8) if name != "__metadata__" else torch.int8
+            if name.startswith(prefix) and dtype.is_floating_point:
+                return dtype
     raise ValueError(f"no floating tensor under {prefix!r} in {model_dir}")
 
 
