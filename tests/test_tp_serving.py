@@ -205,7 +205,8 @@ def test_the_memory_plan_counts_what_each_more_rank_holds(tiny_model_dir):
     assert split.parts["embedding in 1 more ranks"] == embedding
 
 
-def test_tp2_engine_decodes_like_transformers_through_swap(tiny_model_dir, oracle):
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-moe", marks=pytest.mark.slow)])
+def test_tp2_engine_decodes_like_transformers_through_swap(preset, request):
     """Rank 0 in this process (``TensorParallelGroup``: a real rank-1 process, gloo), the real
     ``DecodeEngine`` over ``TPBatch``: three requests prefilled by a plain one-process runner (their
     whole states handed in, as a TP=1 prefill hands them) decode in shared steps in a K/V pool too
@@ -220,6 +221,9 @@ def test_tp2_engine_decodes_like_transformers_through_swap(tiny_model_dir, oracl
     from epd.lm import TextModelRunner
     from epd.sampling import SamplingConfig
 
+    tiny_model_dir, oracle = ((request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("oracle"))
+                              if preset == "tiny" else
+                              (request.getfixturevalue("tiny_moe_model_dir"), request.getfixturevalue("moe_oracle")))
     prompts = [PROMPT, "Name three colours.", "Count from one to ten, slowly."]
     num_tokens = 40
     inputs = [oracle.inputs(prompt, []) for prompt in prompts]
