@@ -535,6 +535,11 @@ def _check_memory(args, config) -> None:
     gpus = config.local_gpus > 0 or (config.local_gpus < 0 and os.path.exists("/dev/nvidiactl"))
     on_host = {role: config.replicas(role) for role in memory_plan.MODEL_ROLES
                if not gpus and not config.role_resources(role).num_gpus}
+    world = config.serve.decode.tensor_parallel
+    if world > 1:
+        problem = memory_plan.tensor_parallel_problem(memory_plan.read_raw_config(config.serve.model_dir), world)
+        if problem:
+            args.parser.error(f"decode.tensor_parallel = {world}: {problem}")
     try:
         memory_plan.check_deployment(config.serve.model_dir, config.serve, on_host,
                                      memory_plan.host_available(), "this host's RAM")

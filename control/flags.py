@@ -18,7 +18,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from epd.config import DTYPE_CHOICES, ConfigError, DeployConfig, field_default, field_docs, load_deploy_file
+from epd.config import (DTYPE_CHOICES, ConfigError, DeployConfig, deploy_file_tensor_parallel, field_default,
+                        field_docs, load_deploy_file)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
+    _flag("--prefill-threads", "serve.prefill.num_threads"),
+    _flag("--decode-threads", "serve.decode.num_threads",
+          help="torch threads of each decode process (each rank of a tensor-parallel replica); 0: every core it may "
+               "run on"),
     _flag("--encoder-max-queued", "serve.encode.max_queued_per_replica"),
     _flag("--encoder-cpus", "serve.encode.cpus", metavar="LIST"),
     _flag("--prefill-cpus", "serve.prefill.cpus", metavar="LIST"),
@@ -109,6 +114,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     # tunables of the machinery (docs/OPERATIONS.md "Tunables"); the defaults suit most deployments
     _flag("--max-resumes", "serve.router.max_resumes"),
     _flag("--reserve-hold-s", "serve.decode.reserve_hold_s"),
+    _flag("--decode-tensor-parallel", "serve.decode.tensor_parallel"),
     _flag("--encoder-gpu-batch-patches", "serve.encode.gpu_batch_patches"),
     _flag("--encoder-concurrency", "serve.encode.actor_concurrency"),
     _flag("--encode-lease-s", "serve.encode.lease_s"),
@@ -219,6 +225,9 @@ def deploy_config(args: argparse.Namespace, flags: tuple[Flag, ...], config_file
     if config_file:
         resources, autoscale = load_deploy_file(config_file)
         overrides["resources"], overrides["autoscale"] = resources, autoscale
+        tensor_parallel = deploy_file_tensor_parallel(config_file)
+        if tensor_parallel is not None and not hasattr(args, "decode_tensor_parallel"):  # the flag wins
+            _put(overrides, "serve.decode.tensor_parallel", tensor_parallel)
     return _build(DeployConfig, overrides)
 
 

@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 
 class DecodeEngine:
     def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig,
-                 grammar_tokenizer: Callable[[], object] | None = None) -> None:
+                 grammar_tokenizer: Callable[[], object] | None = None, make_batch: Callable | None = None) -> None:
         """``grammar_tokenizer``: the checkpoint's llguidance tokenizer (``epd.grammar.tokenizer_for``),
-        asked for on the first structured-output request; without one those are refused."""
+        asked for on the first structured-output request; without one those are refused.
+        ``make_batch(runner, max_slots, pool)``: the batch's tensors (default ``DecodeBatch``; a
+        tensor-parallel replica passes ``decode_svc.tensor_parallel.TPBatch``'s maker)."""
         self.runner = runner
         self._grammar_tokenizer = grammar_tokenizer
         self.eos_token_ids = eos_token_ids
@@ -57,7 +59,7 @@ class DecodeEngine:
             swap_bytes=0 if config.preemption == "replay" else (config.swap_space_bytes or kv_bytes // 2),
             state_bytes=lambda tokens: tokens * runner.kv_bytes_per_token() + runner.slot_state_bytes())
         # owned by the loop thread, changed under the lock
-        self._batch = DecodeBatch(runner, max_slots=config.max_batch_size, pool=self.pool)
+        self._batch = (make_batch or DecodeBatch)(runner, config.max_batch_size, self.pool)
         log.info("decode K/V pool: %d blocks of %d tokens = %d tokens, %.1f MiB (%.1f KiB a token); "
                  "linear-attention state: %d slots, %.1f MiB", self.pool.num_blocks, self.pool.block_size,
                  self.pool.capacity_tokens, self._batch.kv_bytes() / 2**20, runner.kv_bytes_per_token() / 1024,

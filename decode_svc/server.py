@@ -138,9 +138,18 @@ class DecodeServer(rpc.RoleServer):
         # before a weight is read: a model, pool or batch that cannot fit is refused in one line
         memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
+        self._tp = None
+        make_batch = None
+        if config.tensor_parallel > 1:  # this process is rank 0; it starts and leads the others
+            from decode_svc.tensor_parallel import TensorParallelGroup
+
+            self._tp = TensorParallelGroup(serve.model_dir, config.tensor_parallel, config.dtype, config.prepack,
+                                           config.num_threads, config.cpus)
+            runner, make_batch = self._tp.runner, self._tp.make_batch
+        else:
+            runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
         self.engine = DecodeEngine(runner, info.eos_token_ids, config,
-                                   grammar_tokenizer=lambda: grammar_tokenizer_for(info))
+                                   grammar_tokenizer=lambda: grammar_tokenizer_for(info), make_batch=make_batch)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
@@ -165,5 +174,7 @@ class DecodeServer(rpc.RoleServer):
         self.membership.close()
         super().stop(grace_s)
         self.engine.stop()
+        if self._tp is not None:
+            self._tp.stop()
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -474,6 +474,19 @@ def _nbytes(entry: dict) -> int:
     return end - start
 
 
+def stored_dtype(model_dir, prefix: str = TEXT_PREFIX) -> torch.dtype:
+    """The dtype the first floating tensor under ``prefix`` is stored in (read from a header only)."""
+    model_dir = pathlib.Path(model_dir)
+    by_name = {name: dtype for dtype, name in _ST_DTYPES.items()}
+    for fname in _weight_files(model_dir):
+        _, header = _read_header(model_dir / fname)
+        for name, entry in header.items():
+            dtype = by_name.get(entry["dtype"], torch.int8) if name != "__metadata__" else torch.int8
+            if name.startswith(prefix) and dtype.is_floating_point:
+                return dtype
+    raise ValueError(f"no floating tensor under {prefix!r} in {model_dir}")
+
+
 def load_tensors(model_dir, prefix: str, progress: bool = False) -> dict[str, torch.Tensor]:
     """Tensors whose name starts with ``prefix``, keyed with the prefix stripped."""
     model_dir = pathlib.Path(model_dir)

@@ -269,8 +269,26 @@ def need_of_role(raw: dict, role: str, serve) -> Need:
         return role_need(raw, "prefill", config.dtype, chunk_tokens=config.chunk_tokens,
                          max_held_bytes=config.max_held_mb * MIB)
     config = serve.decode
-    return role_need(raw, "decode", config.dtype, max_batch_size=config.max_batch_size,
+    need = role_need(raw, "decode", config.dtype, max_batch_size=config.max_batch_size,
                      kv_cache_bytes=config.kv_cache_bytes, swap_space_bytes=config.swap_space_bytes)
+    world = getattr(config, "tensor_parallel", 1)
+    if world > 1:  # the ranks share the host: each also holds the whole embedding, and is a process
+        need.parts[f"embedding in {world - 1} more ranks"] = (world - 1) * count_params(raw).embedding \
+            * DTYPE_BYTES[config.dtype]
+        need.parts[f"{world - 1} more rank processes"] = (world - 1) * 512 * MIB
+    return need
+
+
+def tensor_parallel_problem(raw: dict, world: int) -> str:
+    """Why the language model of ``raw`` (config.json) cannot be split over ``world`` ranks the way
+    ``epd.tensor_parallel`` splits it ('' when it can): every head count and width it cuts must
+    divide by ``world``."""
+    text = _text(raw)
+    parts = {name: text.get(name) for name in (
+        "num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")}
+    bad = [f"{name} {value}" for name, value in parts.items() if isinstance(value, int) and value % world]
+    return f"the model does not split over {world} ranks ({', '.join(bad)}: not divisible by {world})" if bad else ""
 
 
 def check_role(model_dir, role: str, serve, available: int, where: str) -> Need:

@@ -26,7 +26,8 @@ bench.tp_driver``, gloo over loopback) each load the checkpoint, shard it, prefi
 decode greedily through ``decode_svc.batch.DecodeBatch`` + ``TextModelRunner.decode_step``.
 ``gather_state`` / ``split_state`` move a request's state between degrees (prefill TP=a, decode
 TP=b: gathered to the whole state, then split), as the handoff would carry it.
-Not yet built: a serving role (prefill or decode replica) of N such processes placed by Ray.
+The serving role is ``decode_svc.tensor_parallel`` (a decode replica of N ranks); a prefill of
+N ranks is not built.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, group=None) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight = torch.nn.Parameter(_cast(weight).contiguous(), requires_grad=False)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +94,17 @@ def _rows(weight: torch.Tensor, sizes: list[int], rank: int, world: int, dim: in
     return torch.cat(pieces, dim=dim).contiguous()
 
 
+# The dtype the cut slices are converted to as they are cut (``shard_runner``'s ``dtype``): a rank
+# then never holds a converted copy of the whole model. Set only for the duration of one cut.
+_CAST: list[torch.dtype | None] = [None]
+
+
+def _cast(t: torch.Tensor) -> torch.Tensor:
+    return t if _CAST[0] is None or not t.is_floating_point() else t.to(_CAST[0])
+
+
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
-    return torch.nn.Parameter(t.contiguous(), requires_grad=False)
+    return torch.nn.Parameter(_cast(t).contiguous(), requires_grad=False)
 
 
 def _linear(weight: torch.Tensor) -> torch.nn.Linear:
@@ -152,8 +162,29 @@ def _shard_moe(block, rank: int, world: int) -> None:
 
 
 @torch.inference_mode()
-def shard_runner(runner: TextModelRunner, rank: int, world: int, group=None) -> TextModelRunner:
-    """Cut ``runner`` (loaded whole, not pre-packed) in place to rank ``rank`` of ``world``."""
+def shard_runner(runner: TextModelRunner, rank: int, world: int, group=None,
+                 dtype: torch.dtype | None = None) -> TextModelRunner:
+    """Cut ``runner`` (loaded whole, not pre-packed) in place to rank ``rank`` of ``world``.
+
+    ``dtype``: convert to it on the way (each slice as it is cut, then the replicated parameters),
+    for a runner loaded in the dtype its files store: safetensors maps them, so the whole model is
+    never copied, only this rank's slices are."""
+    _CAST[0] = dtype
+    try:
+        _shard(runner, rank, world, group)
+    finally:
+        _CAST[0] = None
+    if dtype is not None and dtype != runner.dtype:
+        tied = runner.lm_head_weight is runner.model.embed_tokens.weight
+        for module in runner.model.modules():  # what stays whole: embedding, norms, routers, ...
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_floating_point() and param.dtype != dtype:
+                    setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
+        runner.lm_head_weight = runner.model.embed_tokens.weight if tied else runner.lm_head_weight.to(dtype)
+    return runner
+
+
+def _shard(runner: TextModelRunner, rank: int, world: int, group) -> None:
     config = runner.model.config
     for index, layer in enumerate(runner.model.layers):
         if runner.layer_types[index] == "linear_attention":
@@ -166,8 +197,7 @@ def shard_runner(runner: TextModelRunner, rank: int, world: int, group=None) -> 
         else:
             _shard_mlp(layer.mlp, rank, world, group)
     vocab = runner.lm_head_weight.shape[0]
-    runner.lm_head = VocabParallelHead(_rows(runner.lm_head_weight, [vocab], rank, world), world, group)
-    return runner
+    runner.lm_head = VocabParallelHead(_cast(_rows(runner.lm_head_weight, [vocab], rank, world)), world, group)
 
 
 # --------------------------------------------------------------------------- handoff between TP degrees
