@@ -444,7 +444,8 @@ def _write_plot(config: BenchConfig, report: dict, samples: dict) -> None:
     mode = f"concurrency {config.concurrency}" if config.concurrency else f"{config.request_rate:g} req/s"
     clips = (f", {config.videos_per_request} clip(s) of {config.video_seconds:g} s"
              if config.videos_per_request else "")
-    title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}{clips}, "
+    title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}"
+             f"{clips}, "
              f"{config.prompt_tokens} prompt / {config.output_tokens} output tokens, {config.turns} turn(s), "
              f"{config.dtype}")
     os.makedirs(os.path.dirname(os.path.abspath(config.plot_path)), exist_ok=True)
