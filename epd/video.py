@@ -397,12 +397,17 @@ def _decode_from_key_frame(container, indices: list[int]) -> list | None:
     clip no longer decodes every frame before it (the chunks of one clip are decoded on several
     replicas). Each frame's index comes from its timestamp, and every decoded frame must sit exactly
     on the constant-rate timeline; None (decode from frame 0 instead) when the clip gives any doubt."""
+    import av
+
     stream = container.streams.video[0]
     step = _frame_step(stream)
     if step is None:
         return None
     start = stream.start_time
-    container.seek(start + indices[0] * step, stream=stream, backward=True, any_frame=False)
+    try:
+        container.seek(start + indices[0] * step, stream=stream, backward=True, any_frame=False)
+    except av.error.FFmpegError:
+        return None  # whatever the seek ran into, decoding from frame 0 decides
     numbered, expected = [], None
     for frame in container.decode(stream):
         if frame.pts is None or (frame.pts - start) % step:
