@@ -2,7 +2,7 @@
 (conversations start at Poisson arrival times), measuring each request from its stream.
 
 Over either public front: gRPC (``epd.v1.Router/Generate``) or the OpenAI-compatible HTTP front
-(``api="openai"``: streamed ``/v1/chat/completions`` with images as data: URLs, tokens counted from
+(``api="openai"``: streamed ``/v1/chat/completions`` with images and clips as data: URLs, tokens counted from
 each chunk's ``token_ids``, prompt and cached tokens from the usage chunk). The HTTP front has no
 per-stage timings, so the store and handoff figures come from gRPC runs only.
 
@@ -38,6 +38,7 @@ class LoadSettings:
 
 def user_message(turn: Turn) -> epd_pb2.ChatMessage:
     content = [epd_pb2.ContentPart(image=image.data) for image in turn.images]
+    content += [epd_pb2.ContentPart(video=epd_pb2.VideoPart(data=video.data)) for video in turn.videos]
     content.append(epd_pb2.ContentPart(text=turn.text))
     return epd_pb2.ChatMessage(role="user", content=content)
 
@@ -123,8 +124,9 @@ class LoadRunner:
     def _conversation(self, stub, conversation: Conversation, on_record: Callable[[RequestRecord], None]) -> None:
         history: list[epd_pb2.ChatMessage] = []
         failed_turn: int | None = None
+        clips = {video.index: video.sampled_frames for turn in conversation.turns for video in turn.videos}
         for index, turn in enumerate(conversation.turns):
-            record = RequestRecord(conversation=conversation.index, turn=index)
+            record = RequestRecord(conversation=conversation.index, turn=index, video_frames=sum(clips.values()))
             if failed_turn is not None:
                 record.error = f"not sent: turn {failed_turn} of this conversation failed"
                 on_record(record)
@@ -166,6 +168,10 @@ class LoadRunner:
             record.cached_tokens = summary.cached_tokens
             record.images_encoded = summary.images_encoded
             record.images_cached = summary.images_cached
+            record.videos = summary.videos
+            record.video_tokens = summary.video_tokens
+            record.video_chunks = summary.video_chunks
+            record.video_chunks_encoded = summary.video_chunks_encoded
         return "".join(text)
 
 
@@ -251,6 +257,9 @@ def chat_body(request: epd_pb2.GenerateRequest) -> dict:
             if part.WhichOneof("part") == "image":
                 url = f"data:{_media_type(part.image)};base64,{base64.b64encode(part.image).decode()}"
                 parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif part.WhichOneof("part") == "video":
+                url = f"data:video/mp4;base64,{base64.b64encode(part.video.data).decode()}"
+                parts.append({"type": "video_url", "video_url": {"url": url}})
             else:
                 parts.append({"type": "text", "text": part.text})
         messages.append({"role": message.role, "content": parts})

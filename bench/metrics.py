@@ -32,6 +32,11 @@ class RequestRecord:
     cached_tokens: int = 0
     images_encoded: int = 0
     images_cached: int = 0
+    video_frames: int = 0  # frames the server samples from the request's distinct clips (from the workload)
+    videos: int = 0  # the Summary's video figures
+    video_tokens: int = 0
+    video_chunks: int = 0
+    video_chunks_encoded: int = 0
 
     @property
     def ok(self) -> bool:
@@ -62,7 +67,10 @@ class RequestRecord:
                 "ttft_s": self.ttft_s,
                 "tpot_s": self.tpot_s, "e2e_s": self.e2e_s, "output_tokens": self.output_tokens,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "images_encoded": self.images_encoded, "images_cached": self.images_cached, "stages": self.stages}
+                "images_encoded": self.images_encoded, "images_cached": self.images_cached,
+                "videos": self.videos, "video_tokens": self.video_tokens, "video_frames": self.video_frames,
+                "video_chunks": self.video_chunks, "video_chunks_encoded": self.video_chunks_encoded,
+                "stages": self.stages}
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ def stage_figures(records: Sequence[RequestRecord]) -> dict:
              for r in done if r.images_encoded > 0 and r.stages.get("encode_s", 0.0) > 0]
     handoff = [r.stages["handoff_s"] / r.stages["prefill_s"]
                for r in done if r.stages.get("handoff_bytes", 0) > 0 and r.stages.get("prefill_s", 0.0) > 0]
-    return {
+    figures = {
         "store_overhead_ratio": _median_or_none(store),
         "handoff_overhead_ratio": _median_or_none(handoff),
         "cached_tokens": sum(r.cached_tokens for r in done),
@@ -142,4 +150,28 @@ def stage_figures(records: Sequence[RequestRecord]) -> dict:
         "images_cached": sum(r.images_cached for r in done),
         "stage_s": {name: percentiles([r.stages[name] for r in done if name in r.stages])
                     for name in ("encode_s", "store_write_s", "store_read_s", "prefill_s", "handoff_s", "queue_s")},
+    }
+    if any(r.videos for r in done):
+        figures["video"] = video_figures(done)
+    return figures
+
+
+def video_figures(done: Sequence[RequestRecord]) -> dict:
+    """Clips: chunks encoded and served from the store, tokens, the encode time per sampled frame
+    (``encode_s`` is the sum of the chunks' encode times, their decoding and preprocessing
+    included, so it is per-frame work, not wall time), and TTFT of requests whose clips were all
+    encoded beside those whose clips all came from the store."""
+    clips = [r for r in done if r.videos]
+    # Only where every chunk was encoded for this request and no image was: encode_s is then the clips'.
+    fresh = [r for r in clips if r.video_chunks_encoded == r.video_chunks > 0 and not r.images_encoded]
+    cached = [r for r in clips if r.video_chunks and not r.video_chunks_encoded and not r.images_encoded]
+    return {
+        "videos": sum(r.videos for r in clips),
+        "video_tokens": sum(r.video_tokens for r in clips),
+        "chunks": sum(r.video_chunks for r in clips),
+        "chunks_encoded": sum(r.video_chunks_encoded for r in clips),
+        "encode_ms_per_frame": percentiles([1000 * r.stages.get("encode_s", 0.0) / r.video_frames
+                                            for r in fresh if r.video_frames]),
+        "ttft_s_clips_encoded": percentiles([r.ttft_s for r in fresh if r.ttft_s is not None]),
+        "ttft_s_clips_from_store": percentiles([r.ttft_s for r in cached if r.ttft_s is not None]),
     }

@@ -90,6 +90,14 @@ class BenchConfig:
     """Sent as a bearer token when the deployment requires one (from EPD_API_KEY)."""
     vllm_env: str | None = None
     """The vLLM baseline's virtual environment (``make vllm-env``); None: ``bench.peers.vllm``'s default."""
+    videos_per_request: int = 0
+    """New clips in each conversation's first turn (later turns resend them); they share ``repeat_ratio``."""
+    video_sizes: tuple[ImageSize, ...] = ()
+    """Clip frame sizes to draw from, with relative weights."""
+    video_seconds: float = 4.0
+    """Each clip's length in seconds."""
+    video_fps: float = 8.0
+    """The clips' frame rate as written in the file (the server samples them at its own fps, 2 by default)."""
 
     def __post_init__(self) -> None:
         _check((self.addr is None) != (self.stack is None), "addr/model", "give exactly one of --addr and --model")
@@ -100,6 +108,15 @@ class BenchConfig:
                f"must be in [0, 64], got {self.images_per_request}")
         _check(self.images_per_request == 0 or bool(self.image_sizes), "image_sizes",
                "--image-sizes is needed when --images-per-request is above 0")
+        _check(0 <= self.videos_per_request <= 16, "videos_per_request",
+               f"must be in [0, 16], got {self.videos_per_request}")
+        _check(self.videos_per_request == 0 or bool(self.video_sizes), "video_sizes",
+               "--video-sizes is needed when --videos-per-request is above 0")
+        _check(0 < self.video_seconds <= 3600, "video_seconds", f"must be in (0, 3600], got {self.video_seconds}")
+        _check(0 < self.video_fps <= 240, "video_fps", f"must be in (0, 240], got {self.video_fps}")
+        _check(self.videos_per_request == 0 or self.baseline is None, "baseline",
+               "--baseline runs images only: transformers' video processor needs torchvision, which epd's "
+               "environment does not install (tests/test_video_reference.py uses its own); drop --videos-per-request")
         for name in ("prompt_tokens", "output_tokens"):
             value = getattr(self, name)
             _check(1 <= value <= 1_000_000, name, f"must be in [1, 1000000], got {value}")
@@ -136,6 +153,8 @@ class BenchConfig:
             num_requests=self.num_requests, images_per_request=self.images_per_request, image_sizes=self.image_sizes,
             prompt_tokens=self.prompt_tokens, repeat_ratio=self.repeat_ratio, turns=self.turns,
             request_rate=self.request_rate, seed=self.seed, num_warmup=self.warmup,
+            videos_per_request=self.videos_per_request, video_sizes=self.video_sizes,
+            video_seconds=self.video_seconds, video_fps=self.video_fps,
         )
 
     def to_json(self) -> dict:
@@ -144,6 +163,7 @@ class BenchConfig:
         out = redacted(self)
         out.pop("api_key")
         out["image_sizes"] = [str(size) for size in self.image_sizes]
+        out["video_sizes"] = [str(size) for size in self.video_sizes]
         out["model_dir"], out["dtype"] = self.model_dir, self.dtype
         return out
 
@@ -160,7 +180,7 @@ def run_bench(config: BenchConfig) -> dict:
     """Run everything the config asks for; returns the report (also written to ``json_path``)."""
     host = machine()  # before the run: the load average of the run itself would say nothing
     prompts = PromptMaker.from_model_dir(config.model_dir) if config.model_dir else PromptMaker()
-    workload = build_workload(config.workload_spec(), prompts)
+    workload = build_workload(config.workload_spec(), prompts, _video_settings(config))
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
     limits = _measure_limits(config)  # on the quiet machine, before either system runs
     with LoadSampler() as epd_load:
@@ -168,6 +188,9 @@ def run_bench(config: BenchConfig) -> dict:
     report = {**summarize(records, duration, slo), **stage_figures(records), "load_avg": epd_load.figures()}
     report["workload"] = {"conversations": len(workload.conversations), "unique_images": workload.num_unique_images,
                           "repeated_images": workload.num_repeated_images}
+    if config.videos_per_request:
+        report["workload"].update({"unique_videos": workload.num_unique_videos,
+                                   "repeated_videos": workload.num_repeated_videos})
     if limits is not None:
         report["roofline"] = _roofline(config, workload, records, limits)
         report["efficiency"] = _efficiency(report["roofline"], duration)
@@ -207,10 +230,21 @@ def run_bench(config: BenchConfig) -> dict:
     return report
 
 
+def _video_settings(config: BenchConfig):
+    """The checkpoint's video settings (how many frames the server samples from a clip); None
+    against a remote router: transformers' defaults."""
+    if not config.videos_per_request or not config.model_dir:
+        return None
+    from epd.modelinfo import ModelInfo
+
+    return ModelInfo.load(config.model_dir).video_settings()
+
+
 def _measure_limits(config: BenchConfig):
     """The machine's peak and bandwidth in the run's dtype (a roofline needs the checkpoint, for
-    its parameter counts, and a closed loop, for its batch size)."""
-    if not config.model_dir or not config.concurrency:
+    its parameter counts, and a closed loop, for its batch size; its cost model counts images, not
+    clips, so a run with clips has none)."""
+    if not config.model_dir or not config.concurrency or config.videos_per_request:
         return None
     from bench.roofline import measure
     from epd.tensors import default_device, parse_dtype
@@ -408,12 +442,25 @@ def _write_plot(config: BenchConfig, report: dict, samples: dict) -> None:
     systems = {"epd": report, **({report["baseline"]["name"]: report["baseline"]} if "baseline" in report else {})}
     sizes = ",".join(f"{s.width}x{s.height}" for s in config.image_sizes) or "none"
     mode = f"concurrency {config.concurrency}" if config.concurrency else f"{config.request_rate:g} req/s"
-    title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}, "
+    clips = (f", {config.videos_per_request} clip(s) of {config.video_seconds:g} s"
+             if config.videos_per_request else "")
+    title = (f"epd bench: {config.num_requests} requests, {mode}, {config.images_per_request} image(s) of {sizes}"
+             f"{clips}, "
              f"{config.prompt_tokens} prompt / {config.output_tokens} output tokens, {config.turns} turn(s), "
              f"{config.dtype}")
     os.makedirs(os.path.dirname(os.path.abspath(config.plot_path)), exist_ok=True)
     write_plot(config.plot_path, samples, {name: r["throughput_tok_s"] for name, r in systems.items()},
                {name: r["request_throughput"] for name, r in systems.items()}, title)
+
+
+def _video_line(video: dict) -> str:
+    def p50(figures: dict, scale: float = 1.0, unit: str = " s") -> str:
+        return "n/a" if figures["p50"] is None else f"{figures['p50'] * scale:.3g}{unit}"
+
+    return (f"  clips {video['videos']}: chunks encoded {video['chunks_encoded']} of {video['chunks']}, video tokens "
+            f"{video['video_tokens']}, encode per frame p50 {p50(video['encode_ms_per_frame'], unit=' ms')}; TTFT p50 "
+            f"{p50(video['ttft_s_clips_encoded'])} with its clips encoded, {p50(video['ttft_s_clips_from_store'])} "
+            "with them from the store")
 
 
 def format_report(report: dict) -> str:
@@ -450,6 +497,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  images encoded {report['images_encoded']}, cached {report['images_cached']}, "
                      f"cached tokens {report['cached_tokens']}, store/encode {ratio(report['store_overhead_ratio'])}, "
                      f"handoff/prefill {ratio(report['handoff_overhead_ratio'])}")
+        if "video" in report:
+            lines.append(_video_line(report["video"]))
     if "baseline" in report:
         base = report["baseline"]
         name = base.get("name", "transformers")

@@ -1,4 +1,4 @@
-"""The benchmark's workload: conversations of turns with synthetic images and prompts, fixed by a seed.
+"""The benchmark's workload: conversations of turns with synthetic images, clips and prompts, fixed by a seed.
 
 Everything here is plain Python (no server, no model): the same seed and settings give the same
 conversations, image bytes and arrival times, so the epd run and the transformers baseline see
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.synthetic import make_image
+from bench.synthetic import make_clip, make_image
 
 _SIZE = re.compile(r"^\s*(\d+)x(\d+)(?::([0-9]*\.?[0-9]+))?\s*$")
 
@@ -67,11 +67,26 @@ class BenchImage:
 
 
 @dataclass(frozen=True)
+class BenchVideo:
+    """A clip of the workload (an MP4 made with PyAV); ``index`` names its bytes (a repeat shares an
+    earlier index); ``sampled_frames`` is how many frames the server's sampling takes from it."""
+
+    index: int
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    sampled_frames: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Turn:
-    """One user message: its images first, then its text (the chapter's layout)."""
+    """One user message: its images first, then its clips, then its text (the chapter's layout)."""
 
     text: str
     images: tuple[BenchImage, ...]
+    videos: tuple[BenchVideo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ class WorkloadSpec:
     request_rate: float | None = None  # conversations per second (Poisson); None: all arrive at once
     seed: int = 0
     num_warmup: int = 0  # untimed single-turn requests sent before the run
+    videos_per_request: int = 0  # new clips in each conversation's first turn
+    video_sizes: tuple[ImageSize, ...] = ()
+    video_seconds: float = 4.0  # each clip's length
+    video_fps: float = 8.0  # the clips' frame rate as written in the file (the server samples at its own fps)
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,9 @@ class Workload:
     num_requests: int
     num_unique_images: int
     num_repeated_images: int  # images whose bytes reuse an earlier image's
-    warmup: tuple[Turn, ...] = ()  # like the run's first turns, with images of their own (no cache hits)
+    warmup: tuple[Turn, ...] = ()  # like the run's first turns, with images and clips of their own (no cache hits)
+    num_unique_videos: int = 0
+    num_repeated_videos: int = 0  # clips whose bytes reuse an earlier clip's
 
 
 class PromptMaker:
@@ -179,24 +200,65 @@ class _ImagePool:
         return image
 
 
-def build_workload(spec: WorkloadSpec, prompts: PromptMaker) -> Workload:
-    """The conversations of a run. Only the first turn of a conversation carries new images; later
-    turns add a new user text and resend the earlier ones (so every request has the same images)."""
+class _ClipPool:
+    """Draws clips as ``_ImagePool`` draws images, from its own random stream (so adding clips to a
+    workload leaves its images and prompts as they were)."""
+
+    def __init__(self, spec: WorkloadSpec, count_frames: Callable[[bytes], int]) -> None:
+        self.spec = spec
+        self.rng = random.Random(f"{spec.seed}:videos")
+        self.count_frames = count_frames
+        self.videos: list[BenchVideo] = []
+        self.num_repeats = 0
+
+    def draw(self) -> BenchVideo:
+        if self.videos and self.rng.random() < self.spec.repeat_ratio:
+            self.num_repeats += 1
+            return self.rng.choice(self.videos)
+        video = self.make(len(self.videos), self.rng.getrandbits(31))
+        self.videos.append(video)
+        return video
+
+    def make(self, index: int, seed: int) -> BenchVideo:
+        sizes = self.spec.video_sizes
+        size = random.Random(seed).choices(sizes, weights=[s.weight for s in sizes])[0]
+        num_frames = max(1, round(self.spec.video_seconds * self.spec.video_fps))
+        data = make_clip(size.width, size.height, num_frames, fps=self.spec.video_fps, seed=seed)
+        return BenchVideo(index, size.width, size.height, num_frames, self.spec.video_fps, self.count_frames(data),
+                          data)
+
+
+def sampled_frames(settings=None) -> Callable[[bytes], int]:
+    """How many frames the server samples from a clip (``epd.video``'s rules with ``settings``, the
+    checkpoint's ``VideoSettings``; None: transformers' defaults, for a router whose checkpoint is not here)."""
+    from epd import video
+
+    settings = settings or video.VideoSettings()
+    return lambda data: len(video.probe_video(data, settings).indices)
+
+
+def build_workload(spec: WorkloadSpec, prompts: PromptMaker, video_settings=None) -> Workload:
+    """The conversations of a run. Only the first turn of a conversation carries new images and
+    clips; later turns add a new user text and resend the earlier ones (so every request has the
+    same images and clips). ``video_settings``: the server's, to count the frames it samples."""
     rng = random.Random(spec.seed)
     pool = _ImagePool(spec, rng)
+    clips = _ClipPool(spec, sampled_frames(video_settings)) if spec.videos_per_request else None
     lengths = turns_per_conversation(spec.num_requests, spec.turns)
     arrivals = arrival_times(len(lengths), spec.request_rate, spec.seed)
     conversations = []
     for index, (num_turns, arrival) in enumerate(zip(lengths, arrivals)):
         images = tuple(pool.draw() for _ in range(spec.images_per_request))
-        turns = [Turn(prompts.make(rng, spec.prompt_tokens), images)]
+        videos = tuple(clips.draw() for _ in range(spec.videos_per_request)) if clips else ()
+        turns = [Turn(prompts.make(rng, spec.prompt_tokens), images, videos)]
         turns += [Turn(prompts.make(rng, spec.prompt_tokens), ()) for _ in range(num_turns - 1)]
         conversations.append(Conversation(index, tuple(turns), arrival))
     return Workload(tuple(conversations), spec.num_requests, len(pool.images), pool.num_repeats,
-                    _warmup(spec, prompts))
+                    _warmup(spec, prompts, clips), len(clips.videos) if clips else 0,
+                    clips.num_repeats if clips else 0)
 
 
-def _warmup(spec: WorkloadSpec, prompts: PromptMaker) -> tuple[Turn, ...]:
+def _warmup(spec: WorkloadSpec, prompts: PromptMaker, clips: _ClipPool | None) -> tuple[Turn, ...]:
     rng = random.Random(f"{spec.seed}:warmup")
     size = spec.image_sizes[0] if spec.image_sizes else None
     turns = []
@@ -205,5 +267,7 @@ def _warmup(spec: WorkloadSpec, prompts: PromptMaker) -> tuple[Turn, ...]:
         images = tuple(BenchImage(-1, size.width, size.height,
                                   make_image(size.width, size.height, 2**31 + rng.getrandbits(31)))
                        for _ in range(spec.images_per_request))
-        turns.append(Turn(prompts.make(rng, spec.prompt_tokens), images))
+        videos = tuple(clips.make(-1, 2**31 + rng.getrandbits(31)) for _ in range(spec.videos_per_request)) \
+            if clips else ()
+        turns.append(Turn(prompts.make(rng, spec.prompt_tokens), images, videos))
     return tuple(turns)

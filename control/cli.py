@@ -254,12 +254,20 @@ def _add_bench_parser(command) -> None:
                        help="image sizes with relative weights P (default 1), e.g. 448x448,1280x720:3")
     bench.add_argument("--images-per-request", type=_int_in(0, 64), required=True, metavar="K",
                        help="images per request (0: text only)")
+    bench.add_argument("--videos-per-request", type=_int_in(0, 16), default=0, metavar="V",
+                       help="synthetic clips (MP4, made with PyAV) per request, after its images (default 0)")
+    bench.add_argument("--video-sizes", type=_image_sizes, default=(), metavar="WxH[:P],...",
+                       help="clip frame sizes with relative weights P, e.g. 224x224,320x240:2")
+    bench.add_argument("--video-seconds", type=_float_in(0, 3600, low_open=True), default=4.0, metavar="S",
+                       help="each clip's length in seconds")
+    bench.add_argument("--video-fps", type=_float_in(0, 240, low_open=True), default=8.0, metavar="F",
+                       help="the clips' frame rate in the file (the server samples at its own fps, 2 by default)")
     bench.add_argument("--prompt-tokens", type=_int_in(1, 10**6), required=True, metavar="T",
                        help="about T tokens of text per user turn")
     bench.add_argument("--output-tokens", type=_int_in(1, 10**6), required=True, metavar="O",
                        help="exactly O generated tokens per request (greedy, EOS ignored)")
     bench.add_argument("--repeat-ratio", type=_float_in(0, 1), default=0.0, metavar="F",
-                       help="probability an image reuses an earlier image's bytes")
+                       help="probability an image (or clip) reuses an earlier one's bytes")
     bench.add_argument("--turns", type=_int_in(1, 1000), default=1, metavar="N",
                        help="turns per conversation; later turns resend the earlier ones with their answers")
     bench.add_argument("--seed", type=int, default=0, help="fixes images, prompts, repeats and arrivals")
@@ -392,7 +400,8 @@ def _cmd_bench(args) -> int:
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
             warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
             api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
-            vllm_env=args.vllm_env,
+            vllm_env=args.vllm_env, videos_per_request=args.videos_per_request, video_sizes=args.video_sizes,
+            video_seconds=args.video_seconds, video_fps=args.video_fps,
         )
     except ConfigError as error:
         args.parser.error(str(error))

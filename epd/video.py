@@ -27,6 +27,11 @@ with ``Qwen3VLProcessor``; this module is that pipeline, rule for rule, for tran
   token alone, so the template's own ``<|vision_start|>``/``<|vision_end|>`` stay around the whole
   clip; that is what epd writes too.
 
+Decoding: frame ``i`` is the decoder's ``i``-th output frame (``read_video_pyav``); a chunk late in
+a constant-rate clip seeks to the key frame before its first frame rather than decoding from the
+start (frames decoded from a key frame are the same pixels), each frame's index then read from its
+timestamp and checked against the timeline the header describes.
+
 The vision tower attends within each temporal patch (``vision_utils.get_vision_cu_seqlens``: one
 sequence per ``h * w`` patches of each of the ``t`` steps), so a clip's temporal patches can be
 encoded in groups (chunks) on different replicas and concatenated in order: the same rows as one
@@ -339,30 +344,84 @@ def probe_video(data: bytes, settings: VideoSettings, caps: limits.VideoLimits |
 
 
 def decode_frames(data: bytes, indices: list[int]):
-    """The frames at ``indices`` (sorted) as uint8 RGB ``[n, H, W, 3]``, decoded in order as
-    ``read_video_pyav`` does; a file that ends before the last one is truncated."""
+    """The frames at ``indices`` (sorted) as uint8 RGB ``[n, H, W, 3]``: frame ``i`` is the ``i``-th
+    frame the decoder outputs, as in ``read_video_pyav``; a file that ends before the last one is
+    truncated. A chunk that starts later in a constant-rate clip starts decoding at the key frame
+    before its first frame (``_decode_from_key_frame``) instead of at frame 0."""
     import av
     import numpy as np
 
-    wanted = set(indices)
-    end = indices[-1]
-    frames = []
     container = _open(data)
     try:
-        container.seek(0)
-        for i, frame in enumerate(container.decode(video=0)):
-            if i > end:
-                break
-            if i in wanted:
-                frames.append(frame.to_ndarray(format="rgb24"))
+        frames = _decode_from_key_frame(container, indices) if indices[0] > 0 else None
+        if frames is None:
+            container.seek(0)
+            frames = _pick(enumerate(container.decode(video=0)), indices)
     except av.error.FFmpegError as error:
         raise VideoError(f"video data is corrupt or truncated: {error.strerror or error}") from None
     finally:
         container.close()
     if len(frames) < len(indices):
-        raise VideoError(f"video is truncated: its header promises {end + 1}+ frames, only "
+        raise VideoError(f"video is truncated: its header promises {indices[-1] + 1}+ frames, only "
                          f"{len(frames)} of the {len(indices)} sampled ones decode")
     return np.stack(frames)
+
+
+def _pick(numbered, indices: list[int]) -> list:
+    """The frames of ``(index, frame)`` pairs (in order) whose index is wanted, up to the last one."""
+    wanted, end, frames = set(indices), indices[-1], []
+    for i, frame in numbered:
+        if i > end:
+            break
+        if i in wanted:
+            frames.append(frame.to_ndarray(format="rgb24"))
+    return frames
+
+
+def _frame_step(stream) -> int | None:
+    """One frame's duration in the stream's time base, when the header describes a constant-rate
+    timeline exactly (frame ``i`` at ``start + i * step``, ``frames * step`` long); else None."""
+    from fractions import Fraction
+
+    rate, base = stream.average_rate, stream.time_base
+    if not rate or not base or stream.start_time is None or not stream.frames or not stream.duration:
+        return None
+    step = 1 / (Fraction(rate) * Fraction(base))
+    if step.denominator != 1 or step <= 0 or stream.duration != stream.frames * step:
+        return None
+    return int(step)
+
+
+def _decode_from_key_frame(container, indices: list[int]) -> list | None:
+    """The wanted frames, decoding from the key frame at or before ``indices[0]``: a chunk late in a
+    clip no longer decodes every frame before it (the chunks of one clip are decoded on several
+    replicas). Each frame's index comes from its timestamp, and every decoded frame must sit exactly
+    on the constant-rate timeline; None (decode from frame 0 instead) when the clip gives any doubt."""
+    import av
+
+    stream = container.streams.video[0]
+    step = _frame_step(stream)
+    if step is None:
+        return None
+    start = stream.start_time
+    try:
+        container.seek(start + indices[0] * step, stream=stream, backward=True, any_frame=False)
+    except av.error.FFmpegError:
+        return None  # whatever the seek ran into, decoding from frame 0 decides
+    numbered, expected = [], None
+    for frame in container.decode(stream):
+        if frame.pts is None or (frame.pts - start) % step:
+            return None
+        index = (frame.pts - start) // step
+        if expected is None and not 0 <= index <= indices[0]:
+            return None  # the seek landed after the first frame wanted
+        if expected is not None and index != expected:
+            return None  # a gap or a repeat: not the timeline the header describes
+        numbered.append((index, frame))
+        expected = index + 1
+        if index >= indices[-1]:
+            break
+    return _pick(numbered, indices)
 
 
 def preprocess_frames(frames, info: VideoInfo, settings: VideoSettings) -> torch.Tensor:

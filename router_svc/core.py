@@ -357,11 +357,11 @@ class RouterCore:
 
     @staticmethod
     def _check_encoded(prompt: Prompt, index: int, result: epd_pb2.EncodedImage) -> None:
+        what = "video" if prompt.images[index].video is not None else f"image {index}"
         if result.error:
-            what = "video" if prompt.images[index].video is not None else f"image {index}"
             raise ValueError(f"{what}: {result.error}")
         if result.num_tokens != prompt.images[index].info.num_tokens:
-            raise errors.ServiceError(f"image {index}: encoder made {result.num_tokens} tokens, the header "
+            raise errors.ServiceError(f"{what}: encoder made {result.num_tokens} tokens, the header "
                                       f"promised {prompt.images[index].info.num_tokens}")
 
     def _prefill_job(self, run: _Run, inline: dict[str, bytes], generated: list[int] = ()) -> epd_pb2.PrefillRequest:

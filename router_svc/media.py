@@ -1,4 +1,4 @@
-"""Images named by URL in an HTTP request: ``data:`` URLs, ``http(s)://`` URLs the router fetches
+"""Images and clips named by URL in an HTTP request: ``data:`` URLs, ``http(s)://`` URLs the router fetches
 (only with ``allow_media_urls``), and ``file://`` paths under ``allowed_local_media_path``.
 
 Fetching a URL for a client is a server-side request forgery risk (vLLM's CVE-2025-6242, and its
@@ -35,7 +35,7 @@ from epd.config import HttpConfig
 
 
 class MediaError(ValueError):
-    """The image URL cannot be used (bad input: 400). The message says why."""
+    """The image or video URL cannot be used (bad input: 400). The message says why, naming the kind."""
 
 
 USER_AGENT = "epd-media-fetch/1"
@@ -63,31 +63,31 @@ class MediaLoader:
                 return await asyncio.get_running_loop().run_in_executor(None, decode_data_url, url, kind)  # off the loop
             if scheme in ("http", "https"):
                 if not self.config.allow_media_urls:
-                    raise MediaError("image URLs are not fetched by this server (it was started without "
-                                     "--allow-media-urls); send the image as a data: URL")
+                    raise MediaError(f"{kind} URLs are not fetched by this server (it was started without "
+                                     f"--allow-media-urls); send the {kind} as a data: URL")
                 async with asyncio.timeout(self.config.media_fetch_timeout_s):
-                    return await self._fetch(url)
+                    return await self._fetch(url, kind)
             if scheme == "file":
-                return await asyncio.get_running_loop().run_in_executor(None, self._read_local, url)
+                return await asyncio.get_running_loop().run_in_executor(None, self._read_local, url, kind)
         except TimeoutError:
             raise MediaError(f"{where}: fetching {_shown(url)} took longer than "
                              f"{self.config.media_fetch_timeout_s:g} s") from None
         except MediaError as error:
             raise MediaError(f"{where}: {error}") from None
         except (OSError, ssl.SSLError, h11.ProtocolError, UnicodeError) as error:
-            # Whatever else reading the image ran into is still about the URL the client sent (a
+            # Whatever else reading the media ran into is still about the URL the client sent (a
             # directory, a file that vanished, an I/O error, a peer that hung up): a 400 saying why.
             reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-            raise MediaError(f"{where}: cannot read the image at {_shown(url)}: {reason}") from None
+            raise MediaError(f"{where}: cannot read the {kind} at {_shown(url)}: {reason}") from None
         raise MediaError(f"{where}: {kind}_url.url must be a data:, http(s):// or file:// URL")
 
     # ------------------------------------------------------------ http(s)
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, kind: str = "image") -> bytes:
         for _ in range(self.config.media_max_redirects + 1):
-            parts = self.check_url(url)
-            address = await self.check_host(parts.hostname, parts.port or _default_port(parts.scheme))
-            status, headers, body = await self._get(parts, address)
+            parts = self.check_url(url, kind)
+            address = await self.check_host(parts.hostname, parts.port or _default_port(parts.scheme), kind)
+            status, headers, body = await self._get(parts, address, kind)
             if status in (301, 302, 303, 307, 308):
                 location = headers.get("location")
                 if not location:
@@ -97,9 +97,10 @@ class MediaLoader:
             if status != 200:
                 raise MediaError(f"fetching {_shown(url)}: HTTP {status}")
             return body
-        raise MediaError(f"fetching an image URL: more than {self.config.media_max_redirects} redirect(s)")
+        raise MediaError(f"fetching {_article(kind)} {kind} URL: more than {self.config.media_max_redirects} "
+                         "redirect(s)")
 
-    def check_url(self, url: str) -> urllib.parse.SplitResult:
+    def check_url(self, url: str, kind: str = "image") -> urllib.parse.SplitResult:
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - raises on a bad port
@@ -110,12 +111,12 @@ class MediaLoader:
         if not parts.hostname:
             raise MediaError(f"{_shown(url)} has no host")
         if parts.username is not None or parts.password is not None:
-            raise MediaError("image URLs with credentials in them are not fetched")
+            raise MediaError(f"{kind} URLs with credentials in them are not fetched")
         if self.allowed_hosts and _host_key(parts.hostname) not in self.allowed_hosts:
             raise MediaError(f"host {parts.hostname} is not in this server's --allowed-media-domains")
         return parts
 
-    async def check_host(self, host: str, port: int) -> str:
+    async def check_host(self, host: str, port: int, kind: str = "image") -> str:
         """The address to connect to for ``host``: every address it resolves to must be allowed."""
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -128,11 +129,12 @@ class MediaLoader:
             for address in addresses:
                 reason = refused_address(address)
                 if reason:
-                    raise MediaError(f"host {host} resolves to {reason} address {address}; image URLs may only "
+                    raise MediaError(f"host {host} resolves to {reason} address {address}; {kind} URLs may only "
                                      "name public hosts unless the host is in --allowed-media-domains")
         return addresses[0]
 
-    async def _get(self, parts: urllib.parse.SplitResult, address: str) -> tuple[int, dict[str, str], bytes]:
+    async def _get(self, parts: urllib.parse.SplitResult, address: str,
+                   kind: str = "image") -> tuple[int, dict[str, str], bytes]:
         port = parts.port or _default_port(parts.scheme)
         tls = {"ssl": self._ssl, "server_hostname": parts.hostname} if parts.scheme == "https" else {}
         try:
@@ -145,7 +147,7 @@ class MediaLoader:
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host = parts.netloc.rsplit("@", 1)[-1]
             request = h11.Request(method="GET", target=target, headers=[
-                ("Host", host), ("User-Agent", USER_AGENT), ("Accept", "image/*"), ("Accept-Encoding", "identity"),
+                ("Host", host), ("User-Agent", USER_AGENT), ("Accept", f"{kind}/*"), ("Accept-Encoding", "identity"),
                 ("Connection", "close")])
             writer.write(connection.send(request) + connection.send(h11.EndOfMessage()))
             await writer.drain()
@@ -161,14 +163,14 @@ class MediaLoader:
                     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
                     length = headers.get("content-length", "")
                     if status == 200 and length.isdigit() and int(length) > self.max_bytes:
-                        raise MediaError(f"the image at {_shown(parts.geturl())} is {int(length)} bytes, more than "
+                        raise MediaError(f"the {kind} at {_shown(parts.geturl())} is {int(length)} bytes, more than "
                                          f"the {self.max_bytes} this server accepts")
                     if status != 200:
                         return status, headers, b""
                 elif isinstance(event, h11.Data):
                     body += event.data
                     if len(body) > self.max_bytes:
-                        raise MediaError(f"the image at {_shown(parts.geturl())} is more than the {self.max_bytes} "
+                        raise MediaError(f"the {kind} at {_shown(parts.geturl())} is more than the {self.max_bytes} "
                                          "bytes this server accepts")
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     return status, headers, bytes(body)
@@ -181,7 +183,7 @@ class MediaLoader:
 
     # ------------------------------------------------------------ local files
 
-    def _read_local(self, url: str) -> bytes:
+    def _read_local(self, url: str, kind: str = "image") -> bytes:
         if not self.local_root:
             raise MediaError("local files are not read by this server (it was started without "
                              "--allowed-local-media-path)")
@@ -194,7 +196,7 @@ class MediaLoader:
         if ".." in path.split("/"):
             raise MediaError("file paths with .. are refused")
         if not _inside(os.path.realpath(path), self.local_root):
-            raise MediaError(f"{path} is outside the directory this server reads images from")
+            raise MediaError(f"{path} is outside the directory this server reads media from")
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as error:
@@ -203,10 +205,10 @@ class MediaLoader:
             # What was opened, not what the name pointed to a moment ago (a symlink swapped in between).
             opened = os.path.realpath(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else path
             if not _inside(opened, self.local_root):
-                raise MediaError(f"{path} is outside the directory this server reads images from")
+                raise MediaError(f"{path} is outside the directory this server reads media from")
             info = os.fstat(fd)
             if stat.S_ISDIR(info.st_mode):
-                raise MediaError(f"{path} is a directory, not an image file")
+                raise MediaError(f"{path} is a directory, not {_article(kind)} {kind} file")
             if not stat.S_ISREG(info.st_mode):
                 raise MediaError(f"{path} is not a regular file")
             if info.st_size > self.max_bytes:
@@ -261,3 +263,7 @@ def _shown(url: str) -> str:
     """A URL as it may appear in a message: no query string (it may carry a token), at most 200 chars."""
     shown = url.split("?", 1)[0]
     return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[:1] in "aeiou" else "a"

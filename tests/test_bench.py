@@ -81,6 +81,58 @@ def test_repeat_ratio_bounds():
     assert all(c.turns[0].images == () for c in text_only.conversations)
 
 
+def test_a_workload_with_clips_repeats_them_and_keeps_its_images():
+    """Clips come from a stream of their own: adding them leaves the images and texts as they were;
+    a repeated clip is the same bytes; each knows how many frames the server samples from it."""
+    clips = _spec(num_requests=6, turns=2, videos_per_request=1, video_sizes=(ImageSize(64, 48),), video_seconds=3,
+                  video_fps=4, repeat_ratio=0.5, num_warmup=1)
+    workload = build_workload(clips, PromptMaker())
+    assert workload == build_workload(clips, PromptMaker())
+    plain = build_workload(_spec(num_requests=6, turns=2, repeat_ratio=0.5, num_warmup=1), PromptMaker())
+    assert [(t.text, t.images) for c in workload.conversations for t in c.turns] == \
+        [(t.text, t.images) for c in plain.conversations for t in c.turns]
+    videos = [c.turns[0].videos[0] for c in workload.conversations]
+    assert all(t.videos == () for c in workload.conversations for t in c.turns[1:])  # later turns resend them
+    assert workload.num_unique_videos + workload.num_repeated_videos == len(videos) == 3
+    assert {v.index: v.data for v in videos}.keys() == set(range(workload.num_unique_videos))
+    assert len({v.data for v in videos}) == workload.num_unique_videos
+    # 12 frames at 4 fps: 3 s, sampled at 2 fps -> 6 frames (transformers' rule, epd.video.sample_indices).
+    assert {(v.num_frames, v.sampled_frames, v.width, v.height) for v in videos} == {(12, 6, 64, 48)}
+    (warm,) = workload.warmup
+    assert warm.videos[0].index == -1 and warm.videos[0].data not in {v.data for v in videos}
+
+
+def test_a_clip_goes_as_a_video_part_and_as_a_video_url():
+    from bench.load import chat_body, user_message
+    from bench.workload import BenchVideo, Turn
+
+    clip = BenchVideo(0, 64, 48, 8, 4.0, 4, b"\x00\x00\x00\x18ftypisom")
+    message = user_message(Turn("what happens?", (), (clip,)))
+    assert [p.WhichOneof("part") for p in message.content] == ["video", "text"]
+    assert message.content[0].video.data == clip.data
+    from epd.v1 import epd_pb2
+
+    body = chat_body(epd_pb2.GenerateRequest(messages=[message]))
+    assert body["messages"][0]["content"][0] == {"type": "video_url", "video_url": {
+        "url": "data:video/mp4;base64,AAAAGGZ0eXBpc29t"}}
+
+
+def test_video_figures_per_frame_and_ttft_fresh_beside_from_the_store():
+    def clip_request(ttft: float, encoded: int, encode_s: float, images_encoded: int = 0) -> RequestRecord:
+        return _record(0.0, [ttft], 1, ttft, videos=1, video_tokens=40, video_frames=8, video_chunks=2,
+                       video_chunks_encoded=encoded, images_encoded=images_encoded, stages={"encode_s": encode_s})
+
+    rows = [clip_request(2.0, 2, 0.8), clip_request(3.0, 2, 1.6), clip_request(0.5, 0, 0.0),
+            clip_request(2.5, 1, 0.4),  # half its chunks from the store: neither figure
+            clip_request(4.0, 2, 3.0, images_encoded=1)]  # an image encoded too: encode_s is not the clip's alone
+    video = stage_figures(rows)["video"]
+    assert (video["videos"], video["chunks"], video["chunks_encoded"], video["video_tokens"]) == (5, 10, 7, 200)
+    assert video["encode_ms_per_frame"]["p50"] == pytest.approx(150.0)  # 100 and 200 ms per frame
+    assert video["ttft_s_clips_encoded"]["p50"] == pytest.approx(2.5)
+    assert video["ttft_s_clips_from_store"]["p50"] == pytest.approx(0.5)
+    assert "video" not in stage_figures([_record(0.0, [0.1], 1, 0.2)])
+
+
 def test_conversations_split_the_requests():
     assert turns_per_conversation(5, 2) == [2, 2, 1]
     assert turns_per_conversation(6, 3) == [3, 3]
@@ -172,6 +224,9 @@ def test_stage_ratios_are_medians_over_the_requests_they_apply_to():
     (["--dtype", "bfloat16"], "--dtype configure the local stack: use them with --model"),
     (["--baseline-threads", "1"], "--baseline-threads applies to --baseline transformers"),
     (["--images-per-request", "2"], "image_sizes: --image-sizes is needed"),
+    (["--videos-per-request", "1"], "video_sizes: --video-sizes is needed"),
+    (["--videos-per-request", "17"], "argument --videos-per-request: must be in [0, 16], got 17"),
+    (["--video-seconds", "0"], "argument --video-seconds: must be in (0, 3600], got 0"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     base = {"--addr": "127.0.0.1:1", "--num-requests": "2", "--concurrency": "1", "--images-per-request": "0",
@@ -331,6 +386,42 @@ def test_open_loop_with_repeated_images_hits_the_encoder_cache(addr, tmp_path):
     assert report["images_encoded"] + report["images_cached"] == distinct
     assert report["images_encoded"] >= workload.num_unique_images
     assert report["duration_s"] >= workload.conversations[-1].arrival_s  # Poisson arrivals were honoured
+
+
+def video_probe(data: bytes, model_dir: str):
+    from epd import video
+    from epd.modelinfo import ModelInfo
+
+    return video.probe_video(data, ModelInfo.load(model_dir).video_settings())
+
+
+def test_a_video_workload_reports_encode_per_frame_and_ttft_with_clips_from_the_store(addr, tiny_model_dir, tmp_path,
+                                                                                     capsys):
+    """Clips through the shared stack: every clip's chunks are encoded once, a repeated clip comes
+    from the store (0 chunks encoded), and the report puts the two TTFTs side by side."""
+    out_json = tmp_path / "video.json"
+    spec = _spec(num_requests=4, images_per_request=0, image_sizes=(), prompt_tokens=8, repeat_ratio=0.5, seed=2,
+                 videos_per_request=1, video_sizes=(ImageSize(64, 48),), video_seconds=2, video_fps=4)
+    workload = build_workload(spec, PromptMaker())  # what the run sends: 3 clips, the first one twice
+    assert (workload.num_unique_videos, workload.num_repeated_videos) == (3, 1)
+    assert cli.main(["bench", "--addr", addr, "--num-requests", "4", "--concurrency", "1", "--images-per-request", "0",
+                     "--videos-per-request", "1", "--video-sizes", "64x48", "--video-seconds", "2", "--video-fps", "4",
+                     "--prompt-tokens", "8", "--output-tokens", "3", "--repeat-ratio", "0.5", "--seed", "2",
+                     "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    _check_figures(report, 4, 3)
+    video = report["video"]
+    assert report["workload"]["unique_videos"] == 3 and report["workload"]["repeated_videos"] == 1
+    assert video["videos"] == 4 and video["chunks"] == 4  # 4 frames sampled, 2 temporal patches: one chunk
+    assert video["chunks_encoded"] == 3  # the repeat encodes nothing
+    rows = report["requests"]
+    assert [r["video_chunks_encoded"] for r in rows] == [1, 1, 0, 1]
+    tokens = video_probe(workload.conversations[0].turns[0].videos[0].data, tiny_model_dir).num_tokens
+    assert {(r["video_frames"], r["video_tokens"]) for r in rows} == {(4, tokens)}
+    assert video["encode_ms_per_frame"]["p50"] > 0
+    assert video["ttft_s_clips_encoded"]["p50"] > 0 and video["ttft_s_clips_from_store"]["p50"] > 0
+    out = capsys.readouterr().out
+    assert "clips 4: chunks encoded 3 of 4" in out and "with them from the store" in out
 
 
 def test_multi_turn_resends_history(addr, tmp_path):

@@ -2,11 +2,13 @@
 checked against transformers.
 
 One `epd serve` with two replicas of every role (encoder replicas, Encoder services, prefill,
-decode, routers) on the tiny model. Four clients send requests without pause (fresh and repeated
-images, greedy) to both routers while the test kills, one after another with pauses: an encoder
-replica more times than Ray restarts it, a prefill worker, a decode worker mid-stream, the
-embedded redis-server, the controller and the registry. Every request must succeed with the
-tokens transformers' generate gives, and every role must be back at its declared count.
+decode, routers) on the tiny model, clips cut into chunks of one temporal patch. Four clients send
+requests without pause (fresh and repeated images and video clips, greedy) to both routers while
+the test kills, one after another with pauses: an encoder replica more times than Ray restarts it
+(the first kill while a 40-chunk clip is encoding on it), a prefill worker, a decode worker
+mid-stream (some of its streams answer clips), the embedded redis-server, the controller and the
+registry. Every request must succeed with the tokens transformers' generate gives, and every role
+must be back at its declared count.
 
 The figures for docs/RELIABILITY.md come from this test's report: set EPD_CHAOS_REPORT=PATH to
 keep it (JSON), and run with -s to see the table.
@@ -26,14 +28,19 @@ import grpc
 import psutil
 import pytest
 
-from bench.synthetic import make_image
+from bench.synthetic import make_clip, make_image
 from control.controller import MAX_RESTARTS
 from epd import client, rpc
+from epd.v1 import epd_pb2
 from tests.conftest import ServeProcess, StatusWatch, epd_status, ray_address, serving
 
 PROMPTS = ["What is in this picture?", "Describe the colours.", "Tell me a story about it.", "Count the shapes."]
 MAX_TOKENS = (12, 24, 40)
-REPEATS = [make_image(160, 128, seed=7000 + i) for i in range(4)]  # images several requests share
+REPEATS = [("image", make_image(160, 128, seed=7000 + i)) for i in range(4)]  # media several requests share
+CLIPS = [("video", make_clip(160, 128, 24, fps=8, seed=7100 + i)) for i in range(2)]  # 3 s: 3 temporal patches
+VIDEO_SHARE = 0.25  # of the requests, those asking about a clip (repeated ones mostly)
+LONG_CLIP = ("video", make_clip(160, 128, 80, fps=2, seed=7200))  # 40 s at 2 fps: 40 temporal patches, 40 chunks
+MID_CLIP_CHUNKS = 13  # queued on one replica: more than the rest of the load can put there (4 clients x 3)
 PAUSE_S = 6.0  # load keeps running between two faults
 THINK_S = 1.2  # a client's pause between two requests (it keeps the oracle's checks at the end short)
 LONG_STREAMS, LONG_TOKENS = 6, 800  # the answers decode dies under: they outlast an `epd status`
@@ -58,18 +65,27 @@ class Load:
         while not self.stop.wait(THINK_S * rng.random()):
             with self.lock:
                 seed = next(self.seeds)
-            image = REPEATS[rng.randrange(len(REPEATS))] if rng.random() < 0.6 else make_image(128, 128, seed=seed)
-            self.send(rng.choice(PROMPTS), image, rng.choice(MAX_TOKENS))
+            if rng.random() < VIDEO_SHARE:
+                media = CLIPS[rng.randrange(len(CLIPS))] if rng.random() < 0.7 else \
+                    ("video", make_clip(96, 64, 8, fps=4, seed=seed))
+            else:
+                media = REPEATS[rng.randrange(len(REPEATS))] if rng.random() < 0.6 else \
+                    ("image", make_image(128, 128, seed=seed))
+            self.send(rng.choice(PROMPTS), media, rng.choice(MAX_TOKENS))
 
-    def send(self, prompt: str, image: bytes, max_tokens: int, on_text=None) -> None:
-        """One request to the next router; keeps its outcome."""
+    def send(self, prompt: str, media: tuple[str, bytes], max_tokens: int, on_text=None) -> None:
+        """One request about an image or a clip (``media``: kind and bytes) to the next router; keeps its outcome."""
         with self.lock:
             router = next(self.routers)
         started = time.monotonic()
+        kind, data = media
+        part = epd_pb2.ContentPart(image=data) if kind == "image" else \
+            epd_pb2.ContentPart(video=epd_pb2.VideoPart(data=data))
+        request = client.chat_request([epd_pb2.ChatMessage(role="user", content=[
+            part, epd_pb2.ContentPart(text=prompt)])], max_tokens=max_tokens)
         try:
-            result = client.generate(router, client.user_request(prompt, [image], max_tokens=max_tokens),
-                                     on_text=on_text, timeout_s=180)
-            outcome = {"prompt": prompt, "image": image, "max_tokens": max_tokens, "tokens": result.token_ids,
+            result = client.generate(router, request, on_text=on_text, timeout_s=180)
+            outcome = {"prompt": prompt, "media": media, "max_tokens": max_tokens, "tokens": result.token_ids,
                        "resumes": result.summary.resumes, "start": started, "end": time.monotonic()}
             with self.lock:
                 self.done.append(outcome)
@@ -78,8 +94,8 @@ class Load:
                 self.failed.append({"start": started, "end": time.monotonic(), "code": error.code().name,
                                     "details": error.details()})
 
-    def long_streams(self, asks: list[tuple[str, bytes]], max_tokens: int) -> list[int]:
-        """One answer per (prompt, image) starting now; returns how many text events each has
+    def long_streams(self, asks: list[tuple[str, tuple[str, bytes]]], max_tokens: int) -> list[int]:
+        """One answer per (prompt, media) starting now; returns how many text events each has
         received so far (the list fills in as they stream)."""
         received = [0] * len(asks)
 
@@ -88,8 +104,8 @@ class Load:
                 received[n] += 1
             return on_text
 
-        for n, (prompt, image) in enumerate(asks):
-            threading.Thread(target=self.send, args=(prompt, image, max_tokens, counter(n)), daemon=True).start()
+        for n, (prompt, media) in enumerate(asks):
+            threading.Thread(target=self.send, args=(prompt, media, max_tokens, counter(n)), daemon=True).start()
         return received
 
     def finish(self) -> None:
@@ -124,19 +140,43 @@ class HealthWatch:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     with serving(tiny_model_dir, "--encoders", "2", "--encode-services", "2", "--prefill", "2", "--decode", "2",
-                 "--routers", "2", "--log-level", "INFO",
+                 "--routers", "2", "--log-level", "INFO", "--video-chunk-patches", "1",
                  log_path=str(tmp_path_factory.mktemp("logs") / "chaos.log")) as server:
         yield server
 
 
-def long_answers(oracle, count: int, max_tokens: int) -> list[tuple[str, bytes]]:
-    """``count`` prompts (with an image) that transformers answers with ``max_tokens`` tokens or
-    more: answers that cannot end early, before the fault they are there for."""
+class Answers:
+    """transformers' greedy answers to user turns [media, prompt], each computed once at the
+    longest length asked of it: a shorter greedy answer is its prefix (EOS ends both at the same place)."""
+
+    def __init__(self, oracle) -> None:
+        self.oracle = oracle
+        self.known: dict[tuple, tuple[int, list[int]]] = {}  # (prompt, media) -> (max_tokens asked, tokens)
+
+    def get(self, prompt: str, media: tuple[str, bytes], max_tokens: int) -> list[int]:
+        asked, tokens = self.known.get((prompt, media), (0, []))
+        if asked < max_tokens:
+            tokens = self._generate(prompt, media, max_tokens)
+            self.known[(prompt, media)] = (max_tokens, tokens)
+        return tokens[:max_tokens]
+
+    def _generate(self, prompt: str, media: tuple[str, bytes], max_tokens: int) -> list[int]:
+        kind, data = media
+        if kind == "image":
+            return self.oracle.generate(prompt, [data], max_new_tokens=max_tokens)[0]
+        return self.oracle.generate_chat([{"role": "user", "content": [{"type": "video", "video": data},
+                                                                       {"type": "text", "text": prompt}]}],
+                                         max_new_tokens=max_tokens)[0]
+
+
+def long_answers(answers: Answers, count: int, max_tokens: int) -> list[tuple[str, tuple[str, bytes]]]:
+    """``count`` prompts (about an image or a clip, in turn) that transformers answers with
+    ``max_tokens`` tokens or more: answers that cannot end early, before the fault they are there for."""
     found = []
     for n in range(100):
-        prompt, image = f"Tell me everything, part {n}.", REPEATS[n % len(REPEATS)]
-        if len(oracle.generate(prompt, [image], max_new_tokens=max_tokens)[0]) == max_tokens:
-            found.append((prompt, image))
+        prompt, media = f"Tell me everything, part {n}.", [*REPEATS, *CLIPS][n % (len(REPEATS) + len(CLIPS))]
+        if len(answers.get(prompt, media, max_tokens)) == max_tokens:
+            found.append((prompt, media))
             if len(found) == count:
                 return found
     raise AssertionError(f"fewer than {count} of 100 prompts get {max_tokens}-token answers from this checkpoint")
@@ -179,9 +219,11 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
     address = ray_address(stack)
     status = epd_status(address)
     routers = [r["address"] for r in status["roles"]["router"]]
-    long = long_answers(oracle, LONG_STREAMS, LONG_TOKENS)
+    answers = Answers(oracle)  # the long answers' 800 tokens are computed once, not again at the end
+    long = long_answers(answers, LONG_STREAMS, LONG_TOKENS)
     load, health = Load(routers, num_clients=4), HealthWatch(routers)
     faults: list[dict] = []
+    mid_clip: list[threading.Thread] = []  # the request about the long clip, sent before the encoder's kill
     events: dict[tuple, dict] = {}  # the controller's life events, kept here: killing it loses its history
 
     def fault(name: str, kill) -> None:
@@ -194,7 +236,23 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
         events.update({(e["time"], e["name"], e["kind"]): e for e in epd_status(address)["events"]})
 
     def encoder_past_its_restarts() -> str:
+        """The first kill lands while a long clip's chunks are queued on the replica (the Encoder
+        services say how many it holds); they go to the other replica and the answer is unchanged."""
         name = _replica(epd_status(address), "encoder")["name"]
+        watch = StatusWatch(address)
+        try:
+            watch.since(0)
+            clip = threading.Thread(target=load.send, args=("Summarise.", LONG_CLIP, 6), daemon=True)
+            clip.start()
+            mid_clip.append(clip)
+
+            def held() -> int:
+                look = watch.since(time.time())
+                return next((r["in_flight"] or 0 for r in look["roles"]["encoder"] if r["name"] == name), 0)
+
+            _wait_until(lambda: held() >= MID_CLIP_CHUNKS, 120, f"{MID_CLIP_CHUNKS} chunks of the clip on {name}")
+        finally:
+            watch.close()
         for attempt in range(MAX_RESTARTS + 1):
             replica = next(r for r in epd_status(address)["roles"]["encoder"] if r["name"] == name)
             _kill(replica["pid"])
@@ -202,7 +260,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
                 _wait_until(lambda: any(r["name"] == name and r["state"] == "serving" and r["pid"] != replica["pid"]
                                         for r in epd_status(address)["roles"]["encoder"]), 120,
                             f"{name} restarted by Ray")
-        return f"{name} killed {MAX_RESTARTS + 1} times"
+        return f"{name} killed {MAX_RESTARTS + 1} times, the first with a 40-chunk clip on it"
 
     def one_of(role: str):
         def kill() -> str:
@@ -247,10 +305,13 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
     finally:
         load.finish()
         health.finish()
+        for thread in mid_clip:
+            thread.join(timeout=180)
     ended = time.monotonic()
 
     report = {"load_s": round(ended - load_started, 1), "requests": len(load.done) + len(load.failed),
-              "failed": len(load.failed), "resumed": sum(1 for d in load.done if d["resumes"]), "faults": []}
+              "failed": len(load.failed), "resumed": sum(1 for d in load.done if d["resumes"]),
+              "videos": sum(d["media"][0] == "video" for d in load.done), "faults": []}
     for index, entry in enumerate(faults):
         end = faults[index + 1]["start"] if index + 1 < len(faults) else ended
         window = [d for d in load.done if entry["start"] <= d["start"] < end]
@@ -258,6 +319,7 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
             "fault": entry["fault"], "detail": entry["detail"], "requests": len(window),
             "failed": sum(entry["start"] <= f["start"] < end for f in load.failed),
             "resumed": sum(1 for d in window if d["resumes"]),
+            "videos": sum(d["media"][0] == "video" for d in window),
             "back_at_count_s": entry["recovered_s"],
             "not_serving_s": health.seconds_between(entry["start"], end)})
     report["events"] = [e for e in events.values() if e["kind"] in ("died", "replaced", "restarted")]
@@ -271,14 +333,16 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
     assert any(e["kind"] == "replaced" and e["role"] == "encoder" for e in report["events"]), report["events"]
     assert any(e["kind"] == "restarted" and e["role"] == "decode" for e in report["events"]), report["events"]
     assert report["resumed"] >= 1  # the decode worker died under at least one stream
+    assert any(d["media"] == LONG_CLIP for d in load.done)  # the clip whose chunks were on the killed replica
+    assert report["videos"] >= 10, report["videos"]
     assert _all_serving(address)
-    # One transformers run per prompt and image, as long as the longest answer asked of it: greedy
-    # answers with a smaller max_tokens are its prefixes (EOS ends both at the same place).
+    # One transformers run per prompt and image or clip, as long as the longest answer asked of it:
+    # greedy answers with a smaller max_tokens are its prefixes (EOS ends both at the same place).
     longest: dict[tuple, int] = {}
     for outcome in load.done:
-        key = (outcome["prompt"], outcome["image"])
+        key = (outcome["prompt"], outcome["media"])
         longest[key] = max(longest.get(key, 0), outcome["max_tokens"])
-    expected = {key: oracle.generate(key[0], [key[1]], max_new_tokens=n)[0] for key, n in longest.items()}
+    expected = {key: answers.get(key[0], key[1], n) for key, n in longest.items()}
     for outcome in load.done:
-        want = expected[(outcome["prompt"], outcome["image"])][: outcome["max_tokens"]]
+        want = expected[(outcome["prompt"], outcome["media"])][: outcome["max_tokens"]]
         assert outcome["tokens"] == want, (outcome["prompt"], outcome["max_tokens"], outcome["resumes"])

@@ -26,13 +26,13 @@ def server():
     server.close()
 
 
-def load(config: HttpConfig, url: str) -> bytes:
-    return asyncio.run(MediaLoader(config).load(url, "image 0"))
+def load(config: HttpConfig, url: str, kind: str = "image") -> bytes:
+    return asyncio.run(MediaLoader(config).load(url, f"{kind} 0", kind))
 
 
-def refused(config: HttpConfig, url: str, match: str) -> None:
+def refused(config: HttpConfig, url: str, match: str, kind: str = "image") -> None:
     with pytest.raises(MediaError, match=match):
-        load(config, url)
+        load(config, url, kind)
 
 
 OPEN = HttpConfig(allow_media_urls=True)  # any public host, nothing private
@@ -61,6 +61,18 @@ def test_data_url():
 def test_urls_are_off_unless_allowed(server):
     refused(HttpConfig(), server.url("/a.png"), "--allow-media-urls")
     assert server.requests == []
+
+
+def test_a_clip_url_is_refused_in_a_clip_s_words(server, tmp_path):
+    """The messages about a video_url say video, not image."""
+    before = len(server.requests)
+    refused(HttpConfig(), server.url("/a.mp4"), "^video 0: video URLs are not fetched .* send the video as", "video")
+    refused(OPEN, server.url("/a.mp4"), "video URLs may only name public hosts", "video")
+    refused(LISTED, server.url("/huge?bytes=2000000"), "the video at .* more than|is 2000000 bytes", "video")
+    (tmp_path / "clips").mkdir()
+    refused(HttpConfig(allowed_local_media_path=str(tmp_path)), f"file://{tmp_path}/clips",
+            "is a directory, not a video file", "video")
+    assert server.requests[before:] == ["/huge?bytes=2000000"]
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "2130706433", "0x7f.1", "127.1",

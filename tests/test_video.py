@@ -196,6 +196,28 @@ def test_caps_are_checked_from_the_header_before_decoding(settings):
     assert np.asarray(video.decode_frames(webm, [0, 11])).shape == (2, 48, 64, 3)
 
 
+@pytest.mark.parametrize("codec,container,fps", [("mpeg4", "mp4", 8), ("libx264", "mp4", 25), ("mjpeg", "avi", 6),
+                                                  ("libvpx", "webm", 6)])
+def test_a_late_chunk_decodes_from_its_key_frame_to_the_same_pixels(codec, container, fps):
+    """A chunk late in a clip seeks to the key frame before it (not frame 0): the frames equal the
+    decoder's n-th outputs from the start (``read_video_pyav``'s numbering), B-frames (x264) included;
+    a clip whose header states no constant-rate timeline (WebM: no frame count) decodes from frame 0."""
+    import io
+
+    import av
+
+    data = make_clip(96, 64, 60, fps=fps, seed=4, codec=codec, container=container)
+    with av.open(io.BytesIO(data)) as box:
+        everything = [frame.to_ndarray(format="rgb24") for frame in box.decode(video=0)]
+    assert len(everything) == 60
+    for first in (1, 13, 29, 56):
+        indices = [first, first + 1, first + 3]
+        with av.open(io.BytesIO(data)) as box:
+            seeked = video._decode_from_key_frame(box, indices)
+        assert (seeked is None) == (container == "webm")
+        assert np.array_equal(video.decode_frames(data, indices), np.stack([everything[i] for i in indices]))
+
+
 # ---------------------------------------------------------------- through the shared stack (2 encoder replicas)
 
 
