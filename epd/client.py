@@ -42,6 +42,10 @@ class GenerateResult:
             "timings": {field.name: getattr(s.timings, field.name) for field in s.timings.DESCRIPTOR.fields},
             **({"logprobs": [{"logprob": entry.logprob, "top": [[alt.token_id, alt.logprob] for alt in entry.top]}
                              for entry in self.logprobs]} if self.logprobs else {}),
+            **({"prompt_logprobs": [None] + [
+                {"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank,
+                 "top": [[alt.token_id, alt.logprob] for alt in entry.top]} for entry in self.prompt_logprobs]}
+               if self.prompt_logprobs else {}),
         }
 
 
