@@ -189,6 +189,12 @@ class Oracle:
         return out.sequences[0, prompt_len:].tolist(), out.logits[0][0].float(), prompt_len
 
     @torch.no_grad()
+    def prompt_logprobs(self, inputs: dict) -> torch.Tensor:
+        """transformers' float32 log-softmax at every prompt position, ``[prompt_len, vocab]`` (one
+        forward over ``chat_inputs``): row p is the distribution of token p + 1."""
+        return torch.log_softmax(self.model(**inputs).logits[0].float(), dim=-1)
+
+    @torch.no_grad()
     def generate_through_eos(self, inputs: dict, num_tokens: int) -> list[int]:
         """Greedy, exactly ``num_tokens`` new tokens, EOS sampled like any other token when it is
         the argmax and generation going on past it: what a request with ``ignore_eos`` gets (vLLM's

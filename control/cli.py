@@ -216,6 +216,10 @@ def _add_generate_parser(command) -> None:
     gen.add_argument("--logprobs", type=_int_in(0, limits.MAX_LOGPROBS), default=0, metavar="N",
                      help="also return the N most likely tokens at each step with their log-probabilities, in the "
                           "--json line; 0: none (default: 0)")
+    gen.add_argument("--prompt-logprobs", type=_int_in(0, limits.MAX_PROMPT_LOGPROBS), default=None, metavar="N",
+                     help="also return every prompt token's log-probability and rank, with the N most likely tokens "
+                          "there, in the --json line (vLLM's prompt_logprobs; the prompt then skips the prefix "
+                          "cache) (default: none)")
     gen.add_argument("--enable-thinking", action="store_true",
                      help="render the chat template with thinking on (default: off)")
     gen.add_argument("--max-pixels", type=_int_in(0, limits.MAX_PIXELS), default=None, metavar="N",
@@ -907,7 +911,7 @@ def _cmd_generate(args) -> int:
     request = client.chat_request(
         messages, max_pixels=args.max_pixels, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs, enable_thinking=args.enable_thinking,
+        logprobs=args.logprobs, enable_thinking=args.enable_thinking, prompt_logprobs=args.prompt_logprobs,
     )
     # On a terminal the answer's control characters are shown escaped, not obeyed; a pipe or a file
     # gets the text as it is (the --json line always carries it exactly).

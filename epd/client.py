@@ -19,6 +19,7 @@ class GenerateResult:
     text: str = ""
     logprobs: list[epd_pb2.TokenLogprobs] = field(default_factory=list)
     summary: epd_pb2.Summary | None = None
+    prompt_logprobs: list[epd_pb2.TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     def to_json(self) -> dict:
         s = self.summary
@@ -41,6 +42,10 @@ class GenerateResult:
             "timings": {field.name: getattr(s.timings, field.name) for field in s.timings.DESCRIPTOR.fields},
             **({"logprobs": [{"logprob": entry.logprob, "top": [[alt.token_id, alt.logprob] for alt in entry.top]}
                              for entry in self.logprobs]} if self.logprobs else {}),
+            **({"prompt_logprobs": [None] + [
+                {"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank,
+                 "top": [[alt.token_id, alt.logprob] for alt in entry.top]} for entry in self.prompt_logprobs]}
+               if self.prompt_logprobs else {}),
         }
 
 
@@ -169,6 +174,7 @@ def generate(address: str, request: epd_pb2.GenerateRequest, on_text: Callable[[
         chunk = event.chunk
         result.token_ids.extend(chunk.token_ids)
         result.logprobs.extend(chunk.logprobs)
+        result.prompt_logprobs.extend(chunk.prompt_logprobs)
         result.text += chunk.text
         if on_text and chunk.text:
             on_text(chunk.text)

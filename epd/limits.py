@@ -10,11 +10,28 @@ from dataclasses import dataclass
 MAX_TEMPERATURE = 1e6
 """Above this a softmax is uniform to float32's precision anyway (the proto carries a float32)."""
 MAX_LOGPROBS = 20  # epd.sampling's (which imports torch: this module must not, the CLI's parser reads it)
+MAX_PROMPT_LOGPROBS = 20  # prompt_logprobs: alternatives per prompt token (vLLM's max_logprobs default)
+MAX_PROMPT_LOGPROB_ENTRIES = 131072
+"""(prompt tokens - 1) x (prompt_logprobs + 1): the entries one prompt_logprobs answer may hold
+(about 1.6 MB on the wire; the LM head and a log-softmax over the vocabulary run for every one of
+those prompt tokens). Past it the request is refused, naming this bound."""
 MAX_TOP_K = 2**31 - 1  # int32 in the proto
 MAX_SEED = 2**64 - 1  # uint64 in the proto
 MAX_PIXELS = 2**63 - 1  # uint64 in the proto; the image processor's own cap applies below it
-__all__ = ["MAX_LOGPROBS", "MAX_PIXELS", "MAX_SEED", "MAX_TEMPERATURE", "MAX_TOP_K", "VideoLimits",
-           "check_temperature"]
+__all__ = ["MAX_LOGPROBS", "MAX_PIXELS", "MAX_PROMPT_LOGPROBS", "MAX_PROMPT_LOGPROB_ENTRIES", "MAX_SEED", "MAX_TEMPERATURE", "MAX_TOP_K", "VideoLimits",
+           "check_prompt_logprobs", "check_temperature"]
+
+
+def check_prompt_logprobs(num_top: int, prompt_len: int) -> None:
+    """Raise ValueError unless a prompt of ``prompt_len`` tokens may have its logprobs with
+    ``num_top`` alternatives each (vLLM's ``prompt_logprobs``)."""
+    if not 0 <= num_top <= MAX_PROMPT_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {num_top}")
+    entries = (prompt_len - 1) * (num_top + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(f"prompt_logprobs: {prompt_len - 1} prompt tokens x {num_top + 1} entries each = {entries}, "
+                         f"more than the {MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold; send a shorter prompt or "
+                         "a smaller prompt_logprobs")
 
 
 def check_temperature(value: float) -> None:

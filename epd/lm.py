@@ -233,6 +233,23 @@ class TextModelRunner:
         (projections, MLP, norms) runs once over all the chunks' tokens; attention and the Gated
         DeltaNet recurrence run per sequence. Returns the final-norm hidden state of each chunk's
         last token, ``[len(chunks), hidden]``."""
+        return self.forward_rows(chunks)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]],
+                     every_row: frozenset[int] = frozenset()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``forward_many``, and also the final-norm hidden state of every token of the chunks
+        numbered in ``every_row``, ``{i: [T_i, hidden]}`` (prompt logprobs need the LM head on
+        every prompt row; the other chunks pay for their last row only)."""
+        hidden = self._hidden(chunks)
+        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        rows = {i: self.model.norm(hidden[0, ends[i] - lengths[i]:ends[i]]) for i in every_row}
+        last = torch.tensor(ends, device=self.device) - 1
+        return self.model.norm(hidden[0, last]), rows
+
+    def _hidden(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]]) -> torch.Tensor:
+        """The layers over the chunks' tokens: the last layer's output ``[1, ΣT, hidden]``, before the norm."""
         lengths = [embeds.shape[0] for embeds, _, _ in chunks]
         states = [state for _, _, state in chunks]
         hidden = torch.cat([embeds.to(self.device, self.dtype) for embeds, _, _ in chunks]).unsqueeze(0)  # [1, ΣT, h]
@@ -249,8 +266,7 @@ class TextModelRunner:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         for state, length in zip(states, lengths):
             state.num_tokens += length
-        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        return self.model.norm(hidden[0, last])
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

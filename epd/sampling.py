@@ -266,3 +266,28 @@ def _logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, num_top)
     return TokenLogprobs(float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """vLLM's prompt logprob of one prompt token: its logprob and rank given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1: the model's most likely token there
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[PromptLogprob]:
+    """``logits [T, vocab]`` of T prompt rows and ``targets [T]`` (the prompt token each row
+    predicts: the next one) -> each target's raw logprob, rank and the ``num_top`` best tokens.
+    The rank counts the tokens strictly more likely (vLLM's: ties share the better rank)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets.view(-1, 1))  # [T, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    values, ids = torch.topk(logprobs, num_top, dim=1) if num_top else (None, None)
+    out = []
+    for row, token in enumerate(targets.tolist()):
+        top = list(zip(ids[row].tolist(), values[row].tolist())) if num_top else []
+        out.append(PromptLogprob(token, float(chosen[row, 0]), int(ranks[row]), top))
+    return out

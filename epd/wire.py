@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd.sampling import SamplingConfig, TokenLogprobs
+from epd.sampling import PromptLogprob, SamplingConfig, TokenLogprobs
 from epd.v1 import epd_pb2
 
 
@@ -53,3 +53,8 @@ def logprobs_to_proto(logprobs: TokenLogprobs | None) -> epd_pb2.TokenLogprobs |
     return epd_pb2.TokenLogprobs(
         logprob=logprobs.logprob, top=[epd_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top]
     )
+
+
+def prompt_logprob_to_proto(entry: PromptLogprob) -> epd_pb2.TokenLogprobs:
+    return epd_pb2.TokenLogprobs(logprob=entry.logprob, rank=entry.rank, token_id=entry.token_id,
+                                 top=[epd_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in entry.top])

@@ -9,6 +9,13 @@ prompt is not stuck behind a long one. Chunk edges need no care around images: t
 prompt's embeddings are spliced before the first chunk runs. At each snapshot point the state
 is copied into the prefix cache. Positions are computed here from the request alone
 (``epd.positions``), never read from a shared model object.
+
+Prompt logprobs (vLLM's ``prompt_logprobs``, only for a request that asks): the prompt is computed
+from its first token (the prefix cache is not looked up: a cached prefix has no logits, and vLLM
+recomputes too), and for that prompt's chunks the runner returns every row's hidden state; the LM
+head and a log-softmax run over them ``PROMPT_LOGPROB_ROWS`` rows at a time, so the float32
+logits held at once stay small. Snapshots of such a prompt are stored as any prompt's (its state
+is the same computation). Other prompts in the same forward pay for their last row only.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epd import errors, positions
+from epd import errors, limits, positions
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
@@ -30,13 +37,15 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
-from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs, history_for, sample, stops_on
+from epd.sampling import (PromptLogprob, SamplingConfig, TokenHistory, TokenLogprobs, history_for,
+                          prompt_logprobs, sample, stops_on)
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
 MIB = 1 << 20
+PROMPT_LOGPROB_ROWS = 64  # prompt rows per LM-head block: 64 x vocab float32 logits (~64 MB at 248k) at once
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +60,7 @@ class PrefillResult:
     store_read_s: float = 0.0
     queue_s: float = 0.0
     cached_tokens: int = 0
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # tokens 1.. of the prompt, when asked
 
 
 @dataclass(eq=False)
@@ -72,6 +82,9 @@ class PrefillJob:
     finished_at: float = 0.0
     done: Future = field(default_factory=Future)  # set by the scheduler thread: None or the failure
     grammar: GrammarState | None = None  # a structured output's matcher, at the answer so far
+    num_prompt_top: int | None = None  # prompt_logprobs asked: alternatives per prompt token
+    token_ids: list[int] = field(default_factory=list)  # the prompt's, when prompt logprobs are asked
+    prompt_entries: list[PromptLogprob] = field(default_factory=list)  # computed so far, in prompt order
 
     @property
     def cached_tokens(self) -> int:
@@ -186,6 +199,7 @@ class PrefillEngine:
             store_read_s=job.store_read_s,
             queue_s=job.started_at - job.queued_at,
             cached_tokens=job.cached_tokens,
+            prompt_logprobs=job.prompt_entries,
         )
 
     def prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
@@ -208,7 +222,14 @@ class PrefillEngine:
         images = [KeyedImage(piece.span, piece.name) for piece in pieces]
         hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
                                      request.cache_salt)
-        cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
+        num_top = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        if num_top is not None:
+            if request.num_generated:
+                raise ValueError("prompt_logprobs is for a new request: a resumed one has had them")
+            limits.check_prompt_logprobs(num_top, len(token_ids))
+        # A cached prefix has no logits: a prompt whose logprobs are asked is computed whole.
+        use_cache = self.config.prefix_cache_mb and num_top is None
+        cached, state = self.prefix.lookup(hashes, len(token_ids)) if use_cache else (0, None)
         needed = sorted({piece.ref for piece in pieces if piece.span.end > cached})
         read_start = time.perf_counter()
         image_embeds = self._fetch_embeddings(request.images, needed)
@@ -234,6 +255,8 @@ class PrefillEngine:
             deadline_unix=request.deadline_unix,
             store_read_s=read_s,
             grammar=grammar,
+            num_prompt_top=num_top,
+            token_ids=token_ids if num_top is not None else [],
         )
 
     def _fetch_embeddings(self, images, needed: list[int]) -> dict[int, torch.Tensor]:
@@ -348,7 +371,11 @@ class PrefillEngine:
             base = job.cached_tokens
             lo, hi = job.progress.cursor - base, end - base
             chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
-        hidden = self.runner.forward_many(chunks)
+        every_row = frozenset(row for row, (job, _) in enumerate(batch) if job.num_prompt_top is not None)
+        hidden, rows = self.runner.forward_rows(chunks, every_row)
+        for row in every_row:
+            job, end = batch[row]
+            self._prompt_logprobs(job, rows[row], job.progress.cursor, end)
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
@@ -356,6 +383,17 @@ class PrefillEngine:
                     self.prefix.insert(hashes, job.state)
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
+
+    def _prompt_logprobs(self, job: PrefillJob, hidden: torch.Tensor, start: int, end: int) -> None:
+        """The logprobs of prompt tokens ``start + 1 .. end`` from the hidden states ``[end - start,
+        hidden]`` of rows ``start .. end - 1`` (row p predicts token p + 1; the prompt's last row
+        predicts the answer's first token, which ``job.logits`` samples)."""
+        stop = min(end, job.progress.prompt_len - 1)  # rows with a prompt token after them
+        targets = torch.tensor(job.token_ids[start + 1 : stop + 1], dtype=torch.long, device=hidden.device)
+        for lo in range(0, stop - start, PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, stop - start)
+            logits = self.runner.logits(hidden[lo:hi])
+            job.prompt_entries.extend(prompt_logprobs(logits, targets[lo:hi], job.num_prompt_top))
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         with self._wake:

@@ -25,7 +25,7 @@ from epd.store import EmbeddingStore
 from epd.tensors import configure_threads, default_device
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.sampling import check_vocab
-from epd.wire import logprobs_to_proto, sampling_from_proto
+from epd.wire import logprobs_to_proto, prompt_logprob_to_proto, sampling_from_proto
 from prefill_svc.engine import PrefillEngine
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             store_read_s=result.store_read_s,
             queue_s=result.queue_s,
             cached_tokens=result.cached_tokens,
+            prompt_logprobs=[prompt_logprob_to_proto(entry) for entry in result.prompt_logprobs],
         )
         if result.finish_reason is not None:
             reply.finished = True

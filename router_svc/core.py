@@ -155,6 +155,9 @@ class RouterCore:
             run.prompt = prompt = await loop.run_in_executor(None, self.builder.build, request.messages, max_pixels,
                                                              request.enable_thinking, True, request.tools_json)
         self._check_length(len(prompt.token_ids), sampling.max_tokens)
+        if request.sampling.HasField("prompt_logprobs"):
+            limits.check_prompt_logprobs(request.sampling.prompt_logprobs, len(prompt.token_ids))
+            run.prompt_logprobs = request.sampling.prompt_logprobs
         run.deadline = time.time() + min(self.config.request_timeout_s, timeout_s or float("inf"))
         if on_accepted is not None:
             on_accepted()
@@ -171,6 +174,7 @@ class RouterCore:
         first = _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
                        [reply.first_logprobs] if sampling.logprobs else [])
         first.chunk.prompt_tokens = len(prompt.token_ids)
+        first.chunk.prompt_logprobs.extend(reply.prompt_logprobs)
         if request.return_prompt_token_ids:
             first.chunk.prompt_token_ids.extend(prompt.token_ids)
         yield first
@@ -368,7 +372,7 @@ class RouterCore:
         images = request_images_proto(run.prompt)
         for image in images:
             image.embedding = inline.get(image.store_key, b"")
-        return epd_pb2.PrefillRequest(
+        job = epd_pb2.PrefillRequest(
             request_id=run.request_id,
             token_ids=[*run.prompt.token_ids, *generated],
             images=images,
@@ -377,6 +381,9 @@ class RouterCore:
             num_generated=len(generated),
             cache_salt=run.cache_salt,
         )
+        if run.prompt_logprobs is not None and not generated:  # a resume already streamed them
+            job.prompt_logprobs = run.prompt_logprobs
+        return job
 
     async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
@@ -555,6 +562,7 @@ class _Run:
     sampling: SamplingConfig
     deadline: float
     cache_salt: str = ""
+    prompt_logprobs: int | None = None  # alternatives per prompt token, when the prompt's logprobs are asked
 
     def __init__(self, client_id: str) -> None:
         self.client_id = client_id

@@ -62,13 +62,14 @@ SUPPORTED = {
     "logprobs", "top_logprobs", "n", "stream", "stream_options", "mm_processor_kwargs", "chat_template_kwargs",
     "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
-    "tools", "tool_choice", "parallel_tool_calls",
+    "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs",
 }
 # POST /v1/completions' fields (the legacy API; None counts as absent).
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "n",
     "stream", "stream_options", "ignore_eos", "return_token_ids", "user", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids", "cache_salt", *STRUCTURED_FIELDS,
+    "prompt_logprobs",
 }
 # POST /tokenize's fields, vLLM's two forms (None counts as absent).
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -139,6 +140,7 @@ class ChatOptions:
     single_call: bool = False  # parallel_tool_calls: false
     reasoning: bool = False  # the server's reasoning parser is on
     in_reasoning: bool = False  # ... and the prompt opened a think block (enable_thinking)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked: the response's top-level list
 
     def parser(self) -> AnswerParser | None:
         if self.tools is None and not self.reasoning:
@@ -158,6 +160,8 @@ class CompletionOptions:
     prompt_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     continuous_usage: bool = False
+    prompt_logprobs: bool = False  # each choice's prompt_logprobs list (asked, or implied by echo with logprobs)
+    echo_logprobs: bool = False  # echo with logprobs: the logprobs object covers the prompt's tokens first
 
 
 class HttpFront:
@@ -497,6 +501,8 @@ class HttpFront:
         sampling = _sampling_params(body, self.max_tokens_limit)
         if logprobs:
             sampling.logprobs = max(1, top_logprobs)  # the sampled token's logprob comes with the top list
+        if "prompt_logprobs" in body:
+            sampling.prompt_logprobs = _prompt_logprobs(body)
 
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling)
         mm = _object(body, "mm_processor_kwargs", MM_KWARGS)
@@ -521,7 +527,8 @@ class HttpFront:
                               token_ids=_bool(body, "return_token_ids"), n=n, continuous_usage=continuous,
                               tools=tools if parse_tools else None,
                               single_call=body.get("parallel_tool_calls") is False,
-                              reasoning=bool(self.config.reasoning_parser), in_reasoning=request.enable_thinking)
+                              reasoning=bool(self.config.reasoning_parser), in_reasoning=request.enable_thinking,
+                              prompt_logprobs=sampling.HasField("prompt_logprobs"))
         request.return_prompt_token_ids = options.token_ids
         return request, options
 
@@ -531,15 +538,16 @@ class HttpFront:
         body, n, stream, include_usage, continuous = self._common_fields(body, COMPLETION_FIELDS)
         logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS) if "logprobs" in body else None
         echo = _bool(body, "echo")
-        if echo and logprobs is not None:
-            raise HttpError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server",
-                            param="echo", code="unsupported_parameter")
         if "user" in body and not isinstance(body["user"], str):
             raise HttpError(400, "user must be a string", param="user")
         text, ids = _completion_prompt(body.get("prompt"))
         sampling = _sampling_params(body, self.max_tokens_limit)
         if logprobs is not None:
             sampling.logprobs = max(1, logprobs)
+        if "prompt_logprobs" in body:
+            sampling.prompt_logprobs = _prompt_logprobs(body)
+        elif echo and logprobs is not None:  # vLLM: the echoed prompt's logprobs come with as many alternatives
+            sampling.prompt_logprobs = logprobs
         builder = self.core.builder
         prompt = await asyncio.get_running_loop().run_in_executor(None, builder.build_completion, text, ids)
         request = epd_pb2.GenerateRequest(request_id=request_id, sampling=sampling, prompt_token_ids=prompt.token_ids,
@@ -547,7 +555,9 @@ class HttpFront:
         echoed = (text if text else builder.tokenizer.decode(prompt.token_ids)) if echo else ""
         options = CompletionOptions(stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echoed,
                                     token_ids=_bool(body, "return_token_ids"), prompt_token_ids=prompt.token_ids,
-                                    n=n, continuous_usage=continuous)
+                                    n=n, continuous_usage=continuous,
+                                    prompt_logprobs=sampling.HasField("prompt_logprobs"),
+                                    echo_logprobs=echo and logprobs is not None)
         return request, options
 
 
@@ -626,6 +636,44 @@ class HttpFront:
                 top.append({"token": alt_text, "logprob": alt.logprob, "bytes": list(alt_text.encode())})
             out.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
         return out
+
+    def prompt_logprobs_json(self, entries) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: null for the first prompt token, then for each next one
+        ``{token id: {"logprob", "rank", "decoded_token"}}``: the prompt token itself first, then
+        the top alternatives (ranks 1, 2, ...), the prompt token once if it is among them."""
+        decoded = _Decoded(self.core.builder.tokenizer)
+        out: list[dict | None] = [None]
+        for entry in entries:
+            step = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                          "decoded_token": decoded(entry.token_id)}}
+            for rank, alt in enumerate(entry.top, start=1):
+                step.setdefault(str(alt.token_id), {"logprob": alt.logprob, "rank": rank,
+                                                    "decoded_token": decoded(alt.token_id)})
+            out.append(step)
+        return out
+
+
+class _Decoded:
+    """Each token id's text, decoded once per response (a prompt's logprobs repeat ids often)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.texts = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _prompt_logprobs(body: dict) -> int:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token, [0, MAX_PROMPT_LOGPROBS] (vLLM's
+    -1, the whole vocabulary, is refused: an answer of vocabulary x prompt entries)."""
+    value = body["prompt_logprobs"]
+    if isinstance(value, int) and not isinstance(value, bool) and value == -1:
+        raise HttpError(400, f"prompt_logprobs -1 (the whole vocabulary) is not supported by this server; at most "
+                        f"{limits.MAX_PROMPT_LOGPROBS}", param="prompt_logprobs", code="unsupported_parameter")
+    return _integer(body, "prompt_logprobs", 0, limits.MAX_PROMPT_LOGPROBS)
 
 
 def _sampling_params(body: dict, max_tokens_limit: int) -> epd_pb2.SamplingParams:
@@ -1124,7 +1172,10 @@ class _ChatCall:
         return choice
 
     def _whole_extra(self, results: list[_Collected]) -> dict:
-        return {"prompt_token_ids": results[0].prompt_token_ids} if self.options.token_ids else {}
+        extra = {"prompt_token_ids": results[0].prompt_token_ids} if self.options.token_ids else {}
+        if self.options.prompt_logprobs:  # vLLM's chat: top-level, once for the n choices
+            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(results[0].prompt_logprobs)
+        return extra
 
     def _opening_choices(self, index: int, state: dict) -> list[dict]:
         return [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -1151,9 +1202,13 @@ class _ChatCall:
                 "stop_reason": _stop_reason(summary)}
 
     def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
-        """Top-level fields of a streamed chunk: vLLM's chat puts prompt_token_ids on the first."""
-        return {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids and chunk.prompt_tokens \
+        """Top-level fields of a streamed chunk: vLLM's chat puts prompt_token_ids on the first
+        (prompt_logprobs go there too)."""
+        extra = {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids and chunk.prompt_tokens \
             else {}
+        if self.options.prompt_logprobs and chunk.prompt_tokens:
+            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(chunk.prompt_logprobs)
+        return extra
 
     # ------------------------------------------------------------ the response
 
@@ -1266,6 +1321,36 @@ class _CompletionCall(_ChatCall):
             offset += len(text)
         return out
 
+    def _prompt_part(self, entries) -> dict:
+        """echo with logprobs: the legacy logprobs of the prompt's tokens, as vLLM gives them (the
+        first token's logprob and alternatives null; each next one's alternatives: the prompt token
+        itself, then the best ``logprobs``), text offsets from 0."""
+        decoded = _Decoded(self.front.core.builder.tokenizer)
+        ids = self.options.prompt_token_ids
+        out = {"tokens": [decoded(t) for t in ids], "token_logprobs": [None], "top_logprobs": [None],
+               "text_offset": []}
+        for entry in entries:
+            out["token_logprobs"].append(entry.logprob)
+            top = {decoded(entry.token_id): entry.logprob}
+            for alt in list(entry.top)[:self.options.logprobs]:
+                top.setdefault(decoded(alt.token_id), alt.logprob)
+            out["top_logprobs"].append(top)
+        offset = 0
+        for text in out["tokens"]:
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _with_prompt(self, choice: dict, entries) -> dict:
+        """A choice that carries the prompt: its prompt_logprobs, and with echo and logprobs the
+        prompt's tokens before the completion's in the logprobs object."""
+        if self.options.prompt_logprobs:
+            choice["prompt_logprobs"] = self.front.prompt_logprobs_json(entries)
+        if self.options.echo_logprobs:
+            prompt = self._prompt_part(entries)
+            choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
+        return choice
+
     def _choice(self, index: int, text: str, token_ids, logprobs, state: dict, finish: str | None = None,
                 stop_reason: str | int | None = None) -> dict:
         """One choice, or a streamed piece of one; ``state`` keeps its text offset and whether the
@@ -1290,16 +1375,26 @@ class _CompletionCall(_ChatCall):
         choice = self._choice(index, "".join(got.text), got.token_ids, got.logprobs, state, _finish(got.summary),
                               _stop_reason(got.summary))
         choice["text"] = echo + choice["text"]
-        return choice
+        return self._with_prompt(choice, got.prompt_logprobs)
 
     def _whole_extra(self, results: list[_Collected]) -> dict:
         return {}
 
     def _opening_choices(self, index: int, state: dict) -> list[dict]:
-        return [self._choice(index, self.options.echo, [], [], state)] if self.options.echo else []
+        if not self.options.echo or self.options.prompt_logprobs:  # the prompt goes with the first token's piece
+            return []
+        return [self._choice(index, self.options.echo, [], [], state)]
 
     def _delta_choice(self, index: int, chunk: epd_pb2.TokenChunk, state: dict) -> dict:
-        return self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
+        if not (self.options.prompt_logprobs and chunk.prompt_tokens):
+            return self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
+        # The first piece of a stream whose prompt's logprobs were asked: the echo, if any, and the prompt's
+        # logprobs come with it (they are known only once prefill ran).
+        echo = self.options.echo
+        state["offset"] = state.get("offset", 0) + len(echo)
+        choice = self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
+        choice["text"] = echo + choice["text"]
+        return self._with_prompt(choice, chunk.prompt_logprobs)
 
     def _final_choice(self, index: int, summary, state: dict) -> dict:
         return self._choice(index, "", [], [], state, _finish(summary), _stop_reason(summary))
@@ -1317,6 +1412,7 @@ class _Collected:
     logprobs: list = field(default_factory=list)
     summary: epd_pb2.Summary | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1..
 
 
 async def _next(stream):
@@ -1333,6 +1429,7 @@ async def _collect(first, stream) -> _Collected:
             got.token_ids.extend(event.chunk.token_ids)
             got.logprobs.extend(event.chunk.logprobs)
             got.prompt_token_ids.extend(event.chunk.prompt_token_ids)
+            got.prompt_logprobs.extend(event.chunk.prompt_logprobs)
         event = await anext(stream, None)
     return got
 

@@ -1,7 +1,9 @@
 """The legacy ``POST /v1/completions`` (and the gRPC completion prompt under it) through a real
 `epd serve` and the `openai` client: a prompt as text or token ids is completed as it is (no chat
 template), greedy tokens equal transformers' generate on the raw prompt ids, streamed and not, with
-echo, the legacy integer logprobs, stop strings, seeds and usage; what is refused names its field."""
+echo, the legacy integer logprobs, stop strings, seeds and usage; what is refused names its field.
+vLLM's prompt_logprobs on both fronts (chat with an image, completions with echo) against
+transformers' forward over the same prompt, on this module's stack."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import openai
 import pytest
 import torch
 
-from epd import client
+from bench.synthetic import make_image
+from epd import client, limits
+from epd.dataurl import encode_data_url
 from epd.v1 import epd_pb2
 
 MODEL = "epd-tiny"
@@ -119,7 +123,10 @@ def test_the_grpc_completion_prompt(stack, oracle):
     ({"prompt": [1, "x"]}, "prompt must be a string, a list of token ids"),
     ({"prompt": PROMPT, "suffix": "!"}, "suffix: not supported"),
     ({"prompt": PROMPT, "best_of": 2}, "best_of: not supported"),
-    ({"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ({"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs must be an integer in [0, 20]"),
+    ({"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs -1 (the whole vocabulary) is not supported"),
+    ({"prompt": [[7] * (limits.MAX_PROMPT_LOGPROB_ENTRIES // 21 + 2)], "prompt_logprobs": 20},
+     f"more than the {limits.MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold"),
     ({"prompt": PROMPT, "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
     ({"prompt": PROMPT, "n": 17}, "n must be an integer in [1, 16]"),
     ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt must be a non-empty string"),
@@ -130,3 +137,94 @@ def test_refusals_name_the_field(stack, extra, message):
     with pytest.raises(openai.BadRequestError) as raised:
         stack.completions.create(model=MODEL, max_tokens=4, **{"prompt": extra.pop("prompt")}, extra_body=extra)
     assert message in raised.value.body["message"]
+
+
+def _check_prompt_logprobs(reference: torch.Tensor, prompt_ids: list[int], entries: list[dict | None], num_top: int):
+    """vLLM's prompt_logprobs list (null, then {token id: {logprob, rank, decoded_token}} per token,
+    the prompt token first) against transformers' log-softmax rows: logprobs within 1e-4, ranks
+    within the tolerance's ties, the same top ids."""
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for position, step in enumerate(entries[1:], start=1):
+        row, token = reference[position - 1], prompt_ids[position]
+        ids = [int(key) for key in step]
+        assert ids[0] == token
+        first = step[str(token)]
+        assert abs(first["logprob"] - float(row[token])) < 1e-4
+        assert int((row > row[token] + 1e-4).sum()) + 1 <= first["rank"] <= int((row > row[token] - 1e-4).sum()) + 1
+        top = torch.topk(row, num_top).indices.tolist()
+        assert ids == [token] + [t for t in top if t != token]  # the prompt token, then the best, once each
+        for rank, t in enumerate(top, start=1):
+            assert abs(step[str(t)]["logprob"] - float(row[t])) < 1e-4
+            assert t == token or step[str(t)]["rank"] == rank
+
+
+def test_prompt_logprobs_on_both_fronts_equal_transformers(stack, oracle):
+    """A chat with an image: gRPC and HTTP (whole and streamed) give every prompt token's logprob,
+    rank and top 3 as transformers' forward over the prompt does; a repeat of the request (whose
+    prefix is cached by now) computes it again, and the answer is the same."""
+    image = make_image(448, 448, seed=11)
+    inputs = oracle.inputs("Describe it.", [image])
+    prompt_ids = inputs["input_ids"][0].tolist()
+    reference = oracle.prompt_logprobs(inputs)
+    request = client.user_request("Describe it.", [image], max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    result = client.generate(stack.address, request, timeout_s=120)
+    grpc_entries = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank},
+                              **{str(a.token_id): {"logprob": a.logprob, "rank": r} for r, a in enumerate(e.top, 1)
+                                 if a.token_id != e.token_id}} for e in result.prompt_logprobs]
+    _check_prompt_logprobs(reference, prompt_ids, grpc_entries, 3)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": encode_data_url(image)}},
+                                             {"type": "text", "text": "Describe it."}]}]
+    chat = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                extra_body={"prompt_logprobs": 3, "ignore_eos": True})
+    entries = chat.to_dict()["prompt_logprobs"]
+    _check_prompt_logprobs(reference, prompt_ids, entries, 3)
+    assert entries[1][str(prompt_ids[1])]["decoded_token"] == oracle.decode([prompt_ids[1]])
+    assert chat.usage.prompt_tokens == len(prompt_ids)
+    chunks = list(stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, stream=True,
+                                                       extra_body={"prompt_logprobs": 3, "ignore_eos": True}))
+    streamed = [c.to_dict()["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c.to_dict()]
+    assert len(streamed) == 1 and _close(streamed[0], entries)
+
+
+def _close(a: list, b: list) -> bool:
+    """Two prompt_logprobs lists with the same ids and ranks, logprobs within 1e-5 (other forwards)."""
+    return len(a) == len(b) and all(x == y if x is None or y is None else list(x) == list(y) and all(
+        abs(x[k]["logprob"] - y[k]["logprob"]) < 1e-5 and x[k]["rank"] == y[k]["rank"] for k in x) for x, y in zip(a, b))
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack, oracle):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1): the logprobs object covers
+    the prompt's tokens (the first one's null) and then the completion's, streamed and not."""
+    ids = _ids(oracle, PROMPT)
+    inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.zeros(1, len(ids), dtype=torch.int)}
+    reference = oracle.prompt_logprobs(inputs)
+    reply = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [float(reference[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert all(abs(got - w) < 1e-4 for got, w in zip(lp.token_logprobs[1:len(ids)], want))
+    assert all(oracle.decode([ids[p]]) in lp.top_logprobs[p] and len(lp.top_logprobs[p]) <= 3 for p in range(1, len(ids)))
+    assert abs(lp.token_logprobs[-1] - float(reference[-1].max())) < 1e-4  # greedy: the best token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids) + 1)]
+    assert choice.text.startswith(PROMPT)
+    _check_prompt_logprobs(reference, ids, choice.to_dict()["prompt_logprobs"], 2)
+    chunks = list(stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2,
+                                           temperature=0, stream=True))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == choice.text
+    assert [t for p in pieces if p.logprobs for t in p.logprobs.tokens] == lp.tokens
+    assert _close(pieces[0].to_dict()["prompt_logprobs"], choice.to_dict()["prompt_logprobs"])
+
+
+def test_prompt_logprobs_bounds_on_grpc(stack):
+    for sampling, message in [
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+        ({"prompt_logprobs": 20}, f"more than the {limits.MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold"),
+    ]:
+        request = epd_pb2.GenerateRequest(prompt_token_ids=[7] * (limits.MAX_PROMPT_LOGPROB_ENTRIES // 21 + 2),
+                                          sampling=epd_pb2.SamplingParams(max_tokens=1, **sampling))
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate(stack.address, request, timeout_s=60)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in raised.value.details()

@@ -220,7 +220,7 @@ def test_errors_come_in_openai_shape(stack):
     ok = {"model": MODEL, "messages": _chat("hello"), "max_tokens": 2}
     cases = [
         ({**ok, "functions": [{"name": "f"}]}, KEY, 400, "functions: not supported"),  # the deprecated form of tools
-        ({**ok, "prompt_logprobs": 1}, KEY, 400, "prompt_logprobs: not supported"),
+        ({**ok, "prompt_logprobs": 21}, KEY, 400, "prompt_logprobs must be an integer in [0, 20], got 21"),
         ({**ok, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, KEY, 400,
          "invalid json schema"),
         ({**ok, "n": 17}, KEY, 400, "n must be an integer in [1, 16]"),

@@ -201,7 +201,7 @@ def test_a_json_body_is_read(content_type):
 
 @pytest.mark.parametrize("field", ["functions", "function_call", "audio", "modalities",
                                    "reasoning_effort", "prediction", "store", "metadata", "service_tier",
-                                   "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
+                                   "best_of", "use_beam_search", "length_penalty",
                                    "allowed_token_ids", "bad_words", "include_stop_str_in_output",
                                    "skip_special_tokens", "truncate_prompt_tokens", "add_generation_prompt",
                                    "continue_final_message", "chat_template", "priority", "kv_transfer_params"])
@@ -211,7 +211,7 @@ def test_the_refused_fields_docs_list_are_refused_by_name(field):
         build({"messages": user(), field: 1})
     assert raised.value.status == 400 and raised.value.message.startswith(f"{field}: not supported")
     front = HttpFront(None, HttpConfig(), "tiny", "", lambda: True, RequestStats())
-    if field in ("best_of", "use_beam_search", "length_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    if field in ("best_of", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
                  "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "priority",
                  "kv_transfer_params"):
         with pytest.raises(HttpError) as raised:
@@ -410,3 +410,20 @@ def test_a_named_tool_choice_constrains_the_request_with_its_grammar():
     assert json.loads(request.tools_json) == tools
     with pytest.raises(HttpError, match="cannot be combined with a structured output"):
         build({"messages": user(), "tools": tools, "tool_choice": "required", "guided_regex": "x"})
+
+
+def test_prompt_logprobs_maps_onto_the_request_and_its_bounds_are_named():
+    request, options = build({"messages": user(), "prompt_logprobs": 5})
+    assert request.sampling.prompt_logprobs == 5 and options.prompt_logprobs
+    request, options = build({"messages": user(), "prompt_logprobs": 0})
+    assert request.sampling.HasField("prompt_logprobs") and options.prompt_logprobs
+    request, options = build({"messages": user(), "prompt_logprobs": None})
+    assert not request.sampling.HasField("prompt_logprobs") and not options.prompt_logprobs
+    for value, message in [(21, "prompt_logprobs must be an integer in [0, 20], got 21"),
+                           (-1, "prompt_logprobs -1 (the whole vocabulary) is not supported"),
+                           ("3", "prompt_logprobs must be an integer in [0, 20]"),
+                           (True, "prompt_logprobs must be an integer in [0, 20]")]:
+        with pytest.raises(HttpError) as raised:
+            build({"messages": user(), "prompt_logprobs": value})
+        assert raised.value.status == 400 and raised.value.message.startswith(message)
+        assert raised.value.param == "prompt_logprobs"

@@ -344,3 +344,66 @@ def test_a_replayed_answer_holding_an_image_pad_token_is_text(oracle, info, redi
     request.token_ids.extend(answer)
     request.num_generated = len(answer)
     assert engine.run(request, GREEDY).first_token == uninterrupted
+
+
+def assert_prompt_logprobs_match(oracle, messages, token_ids, entries, num_top):
+    """vLLM's prompt logprobs against transformers' one forward over the same prompt (float32):
+    every token after the first, its logprob within 1e-4, its rank, the same top ids."""
+    reference = oracle.prompt_logprobs(oracle.chat_inputs(messages))[:-1]  # row p: token p + 1
+    targets = torch.tensor(token_ids[1:])
+    assert [entry.token_id for entry in entries] == token_ids[1:]
+    got = torch.tensor([entry.logprob for entry in entries])
+    want = reference.gather(1, targets.view(-1, 1))[:, 0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    ranks = torch.tensor([entry.rank for entry in entries])
+    assert ((reference > (want + 1e-4).view(-1, 1)).sum(1) + 1 <= ranks).all()  # ties within the tolerance
+    assert (ranks <= (reference > (want - 1e-4).view(-1, 1)).sum(1) + 1).all()
+    values, ids = torch.topk(reference, num_top, dim=1)
+    assert [[t for t, _ in entry.top] for entry in entries] == ids.tolist()
+    assert torch.allclose(torch.tensor([[lp for _, lp in entry.top] for entry in entries]), values, atol=1e-4, rtol=0)
+
+
+def test_prompt_logprobs_through_chunks_across_images_match_transformers(oracle, info, redis_url, runner,
+                                                                         make_engine):
+    """Chunks of 16 tokens cut through both images; the prefix cache holds the whole prompt, and a
+    request for its logprobs computes it from token 0 anyway (a cached prefix has no logits) while
+    a request beside it in the same forward keeps its cache hit and its exact answer."""
+    messages = user("Compare the two pictures.", SQUARE, WIDE)
+    case = Case(oracle, info, redis_url, messages)
+    engine = make_engine(chunk_tokens=16, batch_tokens=64, prefix_block_size=16, snapshot_every_blocks=1)
+    assert engine.run(case.request(), GREEDY).cached_tokens == 0
+    asked = case.request()
+    asked.prompt_logprobs = 5
+    jobs = [engine.submit(engine.prepare(asked)), engine.submit(engine.prepare(case.request()))]
+    for job in jobs:
+        job.done.result(timeout=120)
+    with_logprobs, beside = (engine._result(job, request, GREEDY) for job, request in zip(jobs, (asked, case.request())))
+    assert with_logprobs.cached_tokens == 0 and beside.cached_tokens > 0
+    assert beside.prompt_logprobs == []
+    assert_prompt_logprobs_match(oracle, messages, case.token_ids, with_logprobs.prompt_logprobs, 5)
+    assert_matches_oracle(runner, case, with_logprobs)
+    assert_matches_oracle(runner, case, beside)
+    none_top = engine.run(_with(case.request(), prompt_logprobs=0), GREEDY).prompt_logprobs
+    assert [entry.top for entry in none_top] == [[]] * (len(case.token_ids) - 1)
+    assert torch.allclose(torch.tensor([entry.logprob for entry in none_top]),  # alone in its forward now
+                          torch.tensor([entry.logprob for entry in with_logprobs.prompt_logprobs]), atol=1e-5, rtol=0)
+
+
+def _with(request: epd_pb2.PrefillRequest, **fields) -> epd_pb2.PrefillRequest:
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def test_prompt_logprobs_bounds_name_the_limit(make_engine):
+    from epd import limits
+
+    engine = make_engine(prefix_cache_mb=0)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\], got 21"):
+        engine.prepare(epd_pb2.PrefillRequest(token_ids=[1, 2, 3], prompt_logprobs=21))
+    longest = limits.MAX_PROMPT_LOGPROB_ENTRIES // 21 + 1  # (tokens - 1) x 21 entries at most
+    engine.prepare(epd_pb2.PrefillRequest(token_ids=[7] * longest, prompt_logprobs=20))
+    with pytest.raises(ValueError, match=f"more than the {limits.MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold"):
+        engine.prepare(epd_pb2.PrefillRequest(token_ids=[7] * (longest + 1), prompt_logprobs=20))
+    with pytest.raises(ValueError, match="a resumed one"):
+        engine.prepare(epd_pb2.PrefillRequest(token_ids=[1, 2, 3], num_generated=1, prompt_logprobs=0))

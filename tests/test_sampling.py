@@ -201,3 +201,16 @@ def test_tiny_positive_temperature_behaves_like_greedy(temperature):
     logits = _logits(6, scale=3.0)
     config = SamplingConfig(max_tokens=1, temperature=temperature, seed=1)  # validation accepts it
     assert sample(logits, config, step=0)[0] == int(torch.argmax(logits))
+
+
+def test_prompt_logprobs_give_each_target_its_logprob_rank_and_the_best():
+    from epd.sampling import prompt_logprobs
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0], [0.0, 3.0, 3.0, -1.0]])
+    out = prompt_logprobs(logits, torch.tensor([2, 3]), num_top=2)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert [entry.token_id for entry in out] == [2, 3]
+    assert [entry.logprob for entry in out] == pytest.approx([float(reference[0, 2]), float(reference[1, 3])])
+    assert [entry.rank for entry in out] == [2, 4]  # a tie shares the better rank, as vLLM counts
+    assert [t for t, _ in out[0].top] == [0, 1] or [t for t, _ in out[0].top] == [0, 2]
+    assert [entry.top for entry in prompt_logprobs(logits, torch.tensor([0, 1]), num_top=0)] == [[], []]
