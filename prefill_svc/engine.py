@@ -17,12 +17,13 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
 
-from epd import errors, positions
+from epd import discovery, errors, positions
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
@@ -32,8 +33,9 @@ from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs, history_for, sample, stops_on
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
+from epd.prefix import request_block_hashes
 from epd.v1 import epd_pb2
-from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
+from prefill_svc.caches import ByteLRU, PrefixCache, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
 MIB = 1 << 20
@@ -120,6 +122,7 @@ class PrefillEngine:
         self._stopping = False
         self._store_hits = self._store_misses = 0
         self.num_cancelled = {"queued": 0, "running": 0}
+        self.on_stored: Callable[[], None] | None = None  # called when a prefix snapshot is stored (the server reports it)
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
         self._thread.start()
 
@@ -202,12 +205,10 @@ class PrefillEngine:
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
         prompt_len = len(token_ids) - request.num_generated
-        pieces = positions.vision_pieces(token_ids[:prompt_len], request.images, self.info.image_token_id,
-                                         self.info.video_token_id)
+        pieces, hashes = request_block_hashes(token_ids, request.num_generated, request.images,
+                                              self.info.image_token_id, self.info.video_token_id,
+                                              self.prefix.block_size, self.info.fingerprint, request.cache_salt)
         spans = [piece.span for piece in pieces]
-        images = [KeyedImage(piece.span, piece.name) for piece in pieces]
-        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
-                                     request.cache_salt)
         cached, state = self.prefix.lookup(hashes, len(token_ids)) if self.config.prefix_cache_mb else (0, None)
         needed = sorted({piece.ref for piece in pieces if piece.span.end > cached})
         read_start = time.perf_counter()
@@ -352,8 +353,8 @@ class PrefillEngine:
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
-                if self.prefix.wants(hashes[-1]):
-                    self.prefix.insert(hashes, job.state)
+                if self.prefix.wants(hashes[-1]) and self.prefix.insert(hashes, job.state) and self.on_stored:
+                    self.on_stored()
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
 
@@ -385,6 +386,16 @@ class PrefillEngine:
         self._thread.join(timeout=10)
         for job in waiting:
             self._finish(job, errors.Unavailable("prefill is shutting down"))
+
+    def queued_tokens(self) -> int:
+        """Prefill work queued here: prompt tokens not yet computed (cached prefixes excluded)."""
+        with self._wake:
+            return self._scheduler.remaining_tokens()
+
+    def load(self) -> discovery.Load:
+        """What this replica reports with its heartbeat: queued work and the prefixes it holds."""
+        return discovery.Load(queued_tokens=self.queued_tokens(), prefix_summary=self.prefix.summary(),
+                              prefix_block_size=self.prefix.block_size if self.config.prefix_cache_mb else 0)
 
     def num_waiting(self) -> int:
         """Prompts queued or part-way through their prefill."""

@@ -1,0 +1,31 @@
+"""Figures of a multi-turn bench report (``epd bench --turns N --json``) by turn: the cached-token
+fraction and TTFT of turns 2 and later. ``python -m bench.turns REPORT.json ...`` prints one row a report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def later_turns(report: dict) -> dict:
+    rows = [r for r in report["requests"] if r["turn"] > 0 and not r["error"]]
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+    return {"requests": len(rows), "cached_fraction": sum(r["cached_tokens"] for r in rows) / prompt if prompt else 0.0,
+            "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+            "failed": report["failed"]}
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        with open(path) as f:
+            figures = later_turns(json.load(f))
+        print(f"{path}: turns 2+: {figures['requests']} requests, cached {figures['cached_fraction']:.1%}, "
+              f"TTFT p50 {figures['ttft_p50_s']:.3f} s p99 {figures['ttft_p99_s']:.3f} s, failed {figures['failed']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
