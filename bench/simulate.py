@@ -198,8 +198,22 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def simulate(config: SimConfig, policy_name: str) -> Result:
-    """Run the trace through ``config.routers`` routers using ``policy_name``; returns every turn's times."""
+@dataclass(frozen=True)
+class ReplayTurn:
+    """One request of a real run, replayed (``replay_trace``): when it reached prefill, its prompt,
+    and where its turn's generation prompt begins (what the next turn shares)."""
+
+    conversation: int
+    index: int
+    arrival: float
+    token_ids: list[int]
+    turn_start: int
+
+
+def simulate(config: SimConfig, policy_name: str, replay: list[ReplayTurn] | None = None) -> Result:
+    """Run the trace through ``config.routers`` routers using ``policy_name``; returns every turn's
+    times. ``replay``: these requests at their own arrival times instead of ``make_trace``'s
+    conversations (each turn arrives when the real one did, not after the simulated answer)."""
     replicas = {f"prefill-{i}": SimReplica(f"prefill-{i}", config) for i in range(config.num_replicas)}
     balancers = [Balancer("prefill") for _ in range(config.routers)]
     clock = [0.0]  # the simulation's time, which the policies read
@@ -218,16 +232,19 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
     def at(time: float, kind: str, *args) -> None:
         heapq.heappush(events, (time, next(order), kind, args))
 
-    conversations = make_trace(config)
+    conversations = make_trace(config) if replay is None else []
     for conversation in conversations:
         at(conversation.start, "arrive", conversation, 0)
+    for turn in replay or []:
+        at(turn.arrival, "arrive", turn, turn.index)
     for i, name in enumerate(replicas):  # heartbeats, spread over the second
         at(HEARTBEAT_S * i / len(replicas), "heartbeat", name)
     pending_reports: dict[str, Load] = {}
     apply_scheduled = False
     report_soon: set[str] = set()
     done_turns: list[Turn] = []
-    done_count, total_turns = 0, len(conversations) * config.turns
+    done_count, total_turns = 0, len(conversations) * config.turns + len(replay or [])
+    turn_starts: dict[int, int | None] = {}  # id(turn) -> where its generation prompt begins (replay)
     pick_s = 0.0  # the router's CPU time choosing (what routing costs it per request)
     rng = random.Random(config.seed + 1)
     calls: dict[int, tuple[int, str, int]] = {}  # id(turn) -> (router, replica, work counted)
@@ -249,8 +266,14 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
         clock[0] = now
         if kind == "arrive":
             conversation, index = args
-            token_ids = prompt_of(config, conversation, index)
-            turn = Turn(conversation.index, index, token_ids, conversation.image_key, arrival=now)
+            if isinstance(conversation, ReplayTurn):
+                token_ids = conversation.token_ids
+                turn = Turn(conversation.conversation, index, token_ids, f"image-{conversation.conversation}",
+                            arrival=now)
+                turn_starts[id(turn)] = conversation.turn_start
+            else:
+                token_ids = prompt_of(config, conversation, index)
+                turn = Turn(conversation.index, index, token_ids, conversation.image_key, arrival=now)
             router = rng.randrange(config.routers)
             hashes_by_size: dict[int, list[bytes]] = {}
 
@@ -280,7 +303,8 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
             turn.first_token = now
             # Each turn extends the last one token for token here, so the last full block is where
             # the next turn's prefix ends (the real prefill also snapshots at the last <|im_start|>).
-            for end in snapshot_points(len(turn.token_ids), config.block_size, config.snapshot_every_blocks):
+            for end in snapshot_points(len(turn.token_ids), config.block_size, config.snapshot_every_blocks,
+                                       turn_starts.pop(id(turn), None)):
                 blocks = hashes[:end // config.block_size]
                 if end > cached and replica.cache.wants(blocks[-1]):
                     replica.cache.insert(blocks, replica.state(end))
@@ -291,8 +315,8 @@ def simulate(config: SimConfig, policy_name: str) -> Result:
             balancers[router].release(name, True, work)
             done_turns.append(turn)
             done_count += 1
-            conversation = conversations[turn.conversation]
-            if turn.index + 1 < config.turns:
+            if replay is None and turn.index + 1 < config.turns:
+                conversation = conversations[turn.conversation]
                 gap = config.answer_tokens * config.tpot_s + rng.expovariate(1 / config.think_s)
                 at(now + gap, "arrive", conversation, turn.index + 1)
             start_next(replica, now)

@@ -123,6 +123,8 @@ class PrefillEngine:
         self._store_hits = self._store_misses = 0
         self.num_cancelled = {"queued": 0, "running": 0}
         self.on_stored: Callable[[], None] | None = None  # called when a prefix snapshot is stored (the server reports it)
+        self.busy_s = 0.0  # time in forwards (and the snapshots stored after them) since start
+        self.computed_tokens = 0  # prompt tokens those forwards computed (cached prefixes excluded)
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
         self._thread.start()
 
@@ -344,6 +346,7 @@ class PrefillEngine:
 
     def _run_chunks(self, batch: list[tuple[PrefillJob, int]]) -> None:
         """One forward over the next chunk of every prompt in ``batch``."""
+        start = time.perf_counter()
         chunks = []
         for job, end in batch:
             base = job.cached_tokens
@@ -357,6 +360,12 @@ class PrefillEngine:
                     self.on_stored()
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
+        self.computed_tokens += sum(chunk[0].shape[0] for chunk in chunks)
+        self.busy_s += time.perf_counter() - start
+
+    def work(self) -> dict[str, float]:
+        """What this replica has computed since it started: seconds in forwards, prompt tokens."""
+        return {"busy_s": self.busy_s, "computed_tokens": self.computed_tokens}
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         with self._wake:
@@ -433,6 +442,10 @@ class PrefillEngine:
             gauge("epd_prefill_held_capacity_bytes", "The budget for them (prefill.max_held_mb)").add(self.held.budget),
             counter("epd_prefill_refused_total", "Prompts refused with RESOURCE_EXHAUSTED: the budget was full")
             .add(self.held.refused),
+            counter("epd_prefill_busy_seconds_total", "Seconds in prefill forwards (and the prefix snapshots "
+                    "stored after them)").add(self.busy_s),
+            counter("epd_prefill_computed_tokens_total", "Prompt tokens computed (cached prefixes excluded)")
+            .add(self.computed_tokens),
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
                     "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]

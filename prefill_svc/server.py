@@ -138,6 +138,10 @@ class PrefillServer(rpc.RoleServer):
         self.membership = Membership(context, address=self.address(), load=self.engine.load)
         self.engine.on_stored = self.membership.report_soon  # the router routes on it: tell it soon
 
+    def work(self) -> dict[str, float]:
+        """Its prefill work since it started (``PrefillEngine.work``): the bench compares replicas by it."""
+        return self.engine.work()
+
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()
         self._decode.close()
