@@ -14,7 +14,8 @@ What is real and what is modelled:
   ``fixed_s + per_token_s x (prompt tokens - cached tokens)`` (measured on this machine:
   ``--measure``); a replica reports its queued work and summary every ``HEARTBEAT_S`` and
   ``Membership.MIN_REPORT_S`` after it stores a snapshot, and routers see a report one
-  ``POLL_S`` later (as ``RegistryWatch`` does); the router's own calls count at once. Encode,
+  ``POLL_S`` later (as ``RegistryWatch`` does); the router's own calls count at once, and the
+  router that sent a prompt learns the snapshots it stored from the reply (``Balancer.note_stored``). Encode,
   handoff and decode are not simulated: the next turn comes ``answer x TPOT + think time`` after
   the first token. TTFT here is queueing plus prefill.
 
@@ -303,15 +304,17 @@ def simulate(config: SimConfig, policy_name: str, replay: list[ReplayTurn] | Non
             turn.first_token = now
             # Each turn extends the last one token for token here, so the last full block is where
             # the next turn's prefix ends (the real prefill also snapshots at the last <|im_start|>).
+            stored = []
             for end in snapshot_points(len(turn.token_ids), config.block_size, config.snapshot_every_blocks,
                                        turn_starts.pop(id(turn), None)):
                 blocks = hashes[:end // config.block_size]
-                if end > cached and replica.cache.wants(blocks[-1]):
-                    replica.cache.insert(blocks, replica.state(end))
+                if end > cached and replica.cache.wants(blocks[-1]) and replica.cache.insert(blocks, replica.state(end)):
+                    stored.append(prefix.summary_key(blocks[-1]))
                     if replica.name not in report_soon:
                         report_soon.add(replica.name)
                         at(now + Membership.MIN_REPORT_S, "soon", replica.name)
             router, name, work = calls.pop(id(turn))
+            balancers[router].note_stored(name, b"".join(stored))  # the reply says what it stored
             balancers[router].release(name, True, work)
             done_turns.append(turn)
             done_count += 1

@@ -33,7 +33,7 @@ from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenHistory, TokenLogprobs, history_for, sample, stops_on
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
-from epd.prefix import request_block_hashes
+from epd.prefix import request_block_hashes, summary_key
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, PrefixCache, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
@@ -53,6 +53,7 @@ class PrefillResult:
     store_read_s: float = 0.0
     queue_s: float = 0.0
     cached_tokens: int = 0
+    stored_keys: bytes = b""  # the summary keys of the prefix snapshots this prompt stored
 
 
 @dataclass(eq=False)
@@ -74,6 +75,7 @@ class PrefillJob:
     finished_at: float = 0.0
     done: Future = field(default_factory=Future)  # set by the scheduler thread: None or the failure
     grammar: GrammarState | None = None  # a structured output's matcher, at the answer so far
+    stored: list[bytes] = field(default_factory=list)  # summary keys of the snapshots it stored
 
     @property
     def cached_tokens(self) -> int:
@@ -191,6 +193,7 @@ class PrefillEngine:
             store_read_s=job.store_read_s,
             queue_s=job.started_at - job.queued_at,
             cached_tokens=job.cached_tokens,
+            stored_keys=b"".join(job.stored),
         )
 
     def prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
@@ -356,8 +359,10 @@ class PrefillEngine:
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
-                if self.prefix.wants(hashes[-1]) and self.prefix.insert(hashes, job.state) and self.on_stored:
-                    self.on_stored()
+                if self.prefix.wants(hashes[-1]) and self.prefix.insert(hashes, job.state):
+                    job.stored.append(summary_key(hashes[-1]))
+                    if self.on_stored:
+                        self.on_stored()
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
         self.computed_tokens += sum(chunk[0].shape[0] for chunk in chunks)

@@ -58,6 +58,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             store_read_s=result.store_read_s,
             queue_s=result.queue_s,
             cached_tokens=result.cached_tokens,
+            stored_prefix_keys=result.stored_keys,
         )
         if result.finish_reason is not None:
             reply.finished = True

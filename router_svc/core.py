@@ -400,6 +400,7 @@ class RouterCore:
         route = self._route(job)
         reply, address = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True,
                                                  route=route)
+        self.prefill.balancer.note_stored(address, reply.stored_prefix_keys)  # the next turn may follow at once
         if route is not None and route.chosen is not None:
             log.debug("request %s: prefill at %s (expected %d cached tokens, %d queued there; prefill had %d)",
                       run.attempt_id, address, route.chosen.cached_tokens, route.chosen.replica.queued_tokens,

@@ -27,6 +27,9 @@ class Balancer:
     def capacity_tokens(self) -> int:
         return 0  # no replica said how many tokens its K/V pool holds
 
+    def note_stored(self, address: str, keys: bytes) -> None:
+        self.stored = getattr(self, "stored", b"") + keys  # what a prefill reply said it stored
+
 
 class NoDecode:
     """Never reached in a test that uses it: only its balancer is read (the K/V capacity check)."""

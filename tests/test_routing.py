@@ -172,3 +172,25 @@ def test_the_holders_index_finds_what_each_replica_summary_says():
     replicas = balancer.replicas()
     assert route.cached_by_replica(replicas, balancer._holders) == {
         r.name: route.cached_tokens(r) for r in replicas if route.cached_tokens(r)}
+
+
+def test_a_reply_says_what_its_replica_stored_before_the_next_report():
+    """A conversation's next turn often comes before the replica's next report reaches the router:
+    the snapshots named in the prefill reply route it to that replica at once; the replica's next
+    changed report then replaces them (it says what it still holds)."""
+    hashes = [bytes([b]) * 32 for b in range(20)]
+    balancer = _balancer(3)
+    route = _route(routing.ExpectedTTFT(), hashes, 80)
+    first, _ = balancer.pick(route=route)
+    balancer.note_stored("h:9", prefix.summary_key(hashes[15]))  # an address nobody has: nothing happens
+    balancer.note_stored(f"h:{first[-1]}", prefix.summary_key(hashes[15]))  # the reply: 64 tokens stored
+    balancer.release(first, True, route.chosen.work_tokens)
+    again = _route(routing.ExpectedTTFT(), hashes, 80)
+    assert balancer.pick(route=again)[0] == first and again.chosen.cached_tokens == 64
+    balancer.release(first, True, again.chosen.work_tokens)
+    balancer.update([Endpoint(name=f"prefill-{i}", role="prefill", address=f"h:{i}", incarnation="x",
+                              load=Load(prefix_summary=prefix.encode_summary([b"other" * 8]) if f"prefill-{i}" == first
+                                        else b"", prefix_block_size=BLOCK)) for i in range(3)])  # it evicted it
+    later = _route(routing.ExpectedTTFT(), hashes, 80)
+    balancer.pick(route=later)
+    assert later.chosen.cached_tokens == 0
