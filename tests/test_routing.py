@@ -194,3 +194,26 @@ def test_a_reply_says_what_its_replica_stored_before_the_next_report():
     later = _route(routing.ExpectedTTFT(), hashes, 80)
     balancer.pick(route=later)
     assert later.chosen.cached_tokens == 0
+
+
+def test_the_simulator_replays_a_trace_and_its_replica_follows_the_rate():
+    """``bench.simulate`` with a replayed trace (``bench.sim_check``'s way): a conversation's second
+    turn goes to the replica holding its first (the reply names the snapshot), is served from it
+    up to the generation prompt's block, and each replica's busy time is the rate times the
+    tokens it computed."""
+    from bench import simulate
+
+    config = simulate.SimConfig(num_replicas=2, block_size=16, snapshot_every_blocks=2, per_token_s=1e-3, fixed_s=0.0,
+                                image_grid=(2, 2))
+    opening = [1, 2, 3, 4] + [simulate.IMAGE_TOKEN] * 4
+    first = opening + list(range(1000, 1056))  # 64 tokens; its generation prompt starts at 52 -> block 48
+    second = first[:58] + list(range(2000, 2030))
+    trace = [simulate.ReplayTurn(0, 0, 0.0, first, 52), simulate.ReplayTurn(1, 0, 0.0, list(first[:8]) + list(
+        range(3000, 3056)), 52), simulate.ReplayTurn(2, 0, 0.1, list(first[:8]) + list(range(4000, 4056)), 52),
+        simulate.ReplayTurn(0, 1, 0.2, second, len(second) - 12)]  # before any report reached the router
+    result = simulate.simulate(config, "epd", trace)
+    turns = {(t.conversation, t.index): t for t in result.turns}
+    assert turns[(0, 1)].replica == turns[(0, 0)].replica and turns[(0, 1)].cached == 48
+    assert turns[(1, 0)].replica != turns[(0, 0)].replica  # the other one was idle
+    computed = sum(len(t.token_ids) - t.cached for t in result.turns)
+    assert sum(result.busy_s.values()) == pytest.approx(computed * 1e-3)
