@@ -77,7 +77,8 @@ def compare(report: dict, rate: dict, model_dir: str) -> dict:
     stack = report["config"]["stack"]["serve"]
     prefill = stack["prefill"]
     config = simulate.SimConfig(
-        num_replicas=report["config"]["stack"]["num_prefill"], block_size=prefill["prefix_block_size"], snapshot_every_blocks=prefill["snapshot_every_blocks"],
+        num_replicas=report["config"]["stack"]["num_prefill"], block_size=prefill["prefix_block_size"],
+        snapshot_every_blocks=prefill["snapshot_every_blocks"],
         prefix_cache_mb=prefill["prefix_cache_mb"], image_grid=REPLAY_GRID,
         **{k: rate[k] for k in ("per_token_s", "fixed_s", "kv_bytes_per_token", "linear_state_bytes")})
     policy = stack["router"]["prefill_routing"]
