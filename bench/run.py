@@ -184,8 +184,10 @@ def run_bench(config: BenchConfig) -> dict:
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
     limits = _measure_limits(config)  # on the quiet machine, before either system runs
     with LoadSampler() as epd_load:
-        records, duration = _run_epd(config, workload)
+        records, duration, prefill_work = _run_epd(config, workload)
     report = {**summarize(records, duration, slo), **stage_figures(records), "load_avg": epd_load.figures()}
+    if prefill_work:
+        report["prefill_replicas"] = prefill_work
     report["workload"] = {"conversations": len(workload.conversations), "unique_images": workload.num_unique_images,
                           "repeated_images": workload.num_repeated_images}
     if config.videos_per_request:
@@ -297,8 +299,9 @@ def _efficiency(roofline: dict, wall_s: float) -> float | None:
 def _run_epd(config: BenchConfig, workload: Workload):
     settings = LoadSettings(output_tokens=config.output_tokens, concurrency=config.concurrency,
                             timeout_s=config.timeout_s)
+    """epd's records and wall time, and (a local stack) each prefill replica's work in the run."""
     if config.addr:
-        return LoadRunner(config.addr, settings, config.api, config.api_key).run(workload)
+        return (*LoadRunner(config.addr, settings, config.api, config.api_key).run(workload), {})
     from control.local import LocalStack
 
     stack = LocalStack(config.stack)
@@ -306,9 +309,23 @@ def _run_epd(config: BenchConfig, workload: Workload):
         address = stack.start()
         if config.api == "openai":
             address = stack.http_addresses()[0]
-        return LoadRunner(address, settings, config.api, config.api_key).run(workload)
+        before = _prefill_work(stack)  # the warm-up's and start-up's work is not the run's
+        records, duration = LoadRunner(address, settings, config.api, config.api_key).run(workload)
+        after = _prefill_work(stack)
+        work = {name: {key: value - before.get(name, {}).get(key, 0) for key, value in figures.items()}
+                for name, figures in after.items()}
+        return records, duration, work
     finally:
         stack.stop()
+
+
+def _prefill_work(stack) -> dict[str, dict]:
+    """Each prefill replica's work since it started (``PrefillServer.work``: busy seconds, computed tokens)."""
+    import ray
+
+    names = [r["name"] for r in ray.get(stack.controller.status.remote(), timeout=60)["roles"]["prefill"]]
+    handles = {name: ray.get_actor(name, namespace=stack.deploy.namespace) for name in names}
+    return dict(zip(handles, ray.get([h.work.remote() for h in handles.values()], timeout=60)))
 
 
 def _comparison(epd: dict, baseline: dict) -> dict:

@@ -49,9 +49,9 @@ def _quiet_closed_pipe() -> None:
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `epd bench decode-step` has its own options; `epd bench --addr ...` must not need a subcommand.
-    decode_step = argv[:2] == ["bench", "decode-step"]
-    parser = _decode_step_parser() if decode_step else _parser()
-    args = parser.parse_args(argv[2:] if decode_step else argv)
+    sub = argv[:2] in (["bench", "decode-step"], ["bench", "simulate"])
+    parser = (_decode_step_parser() if argv[1] == "decode-step" else _simulate_parser()) if sub else _parser()
+    args = parser.parse_args(argv[2:] if sub else argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -243,7 +243,8 @@ def _add_bench_parser(command) -> None:
         description="Send a seeded synthetic workload (images, prompts, multi-turn conversations) to epd and "
                     "report TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.",
         epilog="Also: `epd bench decode-step --model DIR --batch-sizes 1,4,16` times the decode step alone "
-               "(see `epd bench decode-step --help`).",
+               "(see `epd bench decode-step --help`); `epd bench simulate --replicas 8,64,256` simulates prefill "
+               "routing at scale (see `epd bench simulate --help`).",
     )
     target = bench.add_mutually_exclusive_group(required=True)
     target.add_argument("--addr", type=_address, help="a running router's HOST:PORT")
@@ -431,6 +432,60 @@ def _cmd_bench(args) -> int:
         print(f"epd bench: error: the baseline did not run: {report['baseline_error']}", file=sys.stderr)
         return 1
     return 1 if report["failed"] == report["num_requests"] else 0
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    from bench.simulate import SimConfig
+
+    d = SimConfig()
+    parser = argparse.ArgumentParser(prog="epd bench simulate", formatter_class=_Formatter,
+                                     description="Simulate prefill routing policies (round-robin, least-load, "
+                                                 "affinity, epd) over many prefill replicas with the router's own "
+                                                 "selection code and this machine's prefill rate.")
+    parser.add_argument("--replicas", type=_batch_sizes, default=[8, 64, 256], metavar="N,N,...")
+    parser.add_argument("--measure", metavar="DIR", default=None,
+                        help="measure the prefill rate of this checkpoint first (else --rate-json or the defaults)")
+    parser.add_argument("--rate-json", metavar="PATH", default=None, help="a rate measured before (--measure's JSON)")
+    parser.add_argument("--conversations-per-replica", type=_int_in(1, 10**4), default=d.conversations_per_replica)
+    parser.add_argument("--turns", type=_int_in(1, 100), default=d.turns)
+    parser.add_argument("--utilization", type=_float_in(0, 10, low_open=True), default=d.utilization,
+                        help="prefill work of the trace without any cache, as a fraction of the fleet")
+    parser.add_argument("--routers", type=_int_in(1, 1024), default=d.routers)
+    parser.add_argument("--prefix-cache-mb", type=_int_in(0, 1 << 20), default=d.prefix_cache_mb)
+    parser.add_argument("--think-s", type=_float_in(0, 1e4), default=d.think_s)
+    parser.add_argument("--tpot-s", type=_float_in(0, 10), default=d.tpot_s,
+                        help="decode time per answer token (the next turn comes after the answer and the think time)")
+    parser.add_argument("--system-tokens", type=_int_in(0, 10**5), default=d.system_tokens,
+                        help="a system prompt every conversation starts with (a long one is a prefix all share)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows (and the rate) as JSON")
+    parser.add_argument("--plot", dest="plot_path", metavar="PATH", help="write the figures as a PNG")
+    parser.set_defaults(func=_cmd_bench_simulate, parser=parser)
+    return parser
+
+
+def _cmd_bench_simulate(args) -> int:
+    import json
+
+    from bench import simulate
+
+    rate = {}
+    if args.measure:
+        from bench.prefill_rate import measure
+
+        rate = measure(args.measure)
+        print(f"prefill rate of {args.measure}: {rate['fixed_s'] * 1000:.1f} ms + {rate['per_token_s'] * 1e6:.0f} us "
+              f"per token")
+    elif args.rate_json:
+        with open(args.rate_json) as f:
+            rate = json.load(f)
+    config = simulate.SimConfig(
+        conversations_per_replica=args.conversations_per_replica, turns=args.turns, utilization=args.utilization,
+        routers=args.routers, prefix_cache_mb=args.prefix_cache_mb, think_s=args.think_s, seed=args.seed,
+        system_tokens=args.system_tokens, tpot_s=args.tpot_s,
+        **{k: rate[k] for k in ("per_token_s", "fixed_s", "kv_bytes_per_token", "linear_state_bytes") if k in rate})
+    simulate.main(args.replicas, config, args.json_path, args.plot_path)
+    return 0
 
 
 def _cmd_bench_decode_step(args) -> int:

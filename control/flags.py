@@ -71,6 +71,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--video-chunk-patches", "serve.router.video_chunk_patches"),
     _flag("--max-request-mb", "serve.router.max_request_mb"),
     _flag("--allow-special-tokens", "serve.router.allow_special_tokens"),
+    _flag("--prefill-routing", "serve.router.prefill_routing"),
     _flag("--store-ttl-s", "serve.store.ttl_s"),
     _flag("--store-max-memory-mb", "serve.store.max_memory_mb"),
     _flag("--embedding-cache-mb", "serve.prefill.embedding_cache_mb"),

@@ -29,6 +29,7 @@ import torch
 from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
+from epd import discovery
 from epd.config import DecodeConfig
 from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner
@@ -90,6 +91,12 @@ class DecodeEngine:
 
     def capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
+
+    def load(self) -> discovery.Load:
+        """What this worker reports with its heartbeat (prefill picks decode workers by it)."""
+        with self._lock:
+            return discovery.Load(free_kv_tokens=self.scheduler.free_tokens(),
+                                  num_waiting=self.scheduler.num_waiting() + self.scheduler.num_reserved())
 
     def kv_usage(self) -> dict[str, float]:
         """The K/V pool now: blocks used and in all, the fraction used, tokens it holds in all."""

@@ -405,6 +405,18 @@ class DecodeScheduler:
     def num_waiting(self) -> int:
         return len(self._queue())
 
+    def num_reserved(self) -> int:
+        """Handoffs on the way (a place held by ``Reserve``)."""
+        return len(self._reserved)
+
+    def free_tokens(self) -> int:
+        """Tokens the pool has free, less what the waiting and reserved handoffs will take on arrival."""
+        if self.pool is None:
+            return -1
+        waiting = sum(r.prompt_len for r in self._queue() if r.status is RequestStatus.HANDED_OFF)
+        reserved = sum(tokens for tokens, _ in self._reserved.values())
+        return max(0, self.pool.num_free * self.pool.block_size - waiting - reserved)
+
     def waiting_by_reason(self) -> dict[str, int]:
         """Requests waiting for the batch, by what holds them: a free slot, or K/V memory (a slot
         is free but their blocks are not); swapped-out ones apart."""

@@ -154,7 +154,7 @@ class DecodeServer(rpc.RoleServer):
                     context.host, rpc.internal_transport(serve.security))
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
         self.membership = Membership(context, address=self.address(),
-                                     capacity_tokens=self.engine.capacity_tokens())
+                                     capacity_tokens=self.engine.capacity_tokens(), load=self.engine.load)
 
     def kv_usage(self) -> dict[str, float]:
         """The K/V pool now (``epd status``)."""

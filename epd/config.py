@@ -305,10 +305,17 @@ class RouterConfig:
     max_resumes: int = 8
     """A request whose decode worker died is resumed on another (a prefill of its prompt and answer
     so far) at most this many times; once more fails it with UNAVAILABLE. Preemptions do not count."""
+    prefill_routing: str = "epd"
+    """How a request's prefill replica is chosen: epd (least expected time to first token: queued
+    work plus the prompt tokens the replica's prefix cache does not hold, never past 1.5x the mean
+    queued work), least-load (fewest calls in flight), round-robin, or affinity (longest cached prefix)."""
 
     def __post_init__(self) -> None:
         _check_range(self.port, 0, 65535, "router.port")
         _check_range(self.max_resumes, 0, 1000, "router.max_resumes")
+        if self.prefill_routing not in ("epd", "least-load", "round-robin", "affinity"):
+            raise ConfigError(f"router.prefill_routing must be one of epd, least-load, round-robin, affinity; "
+                              f"got {self.prefill_routing!r}")
         _check_range(self.max_images_per_request, 0, 4096, "router.max_images_per_request")
         _check_range(self.video_chunk_patches, 1, 4096, "router.video_chunk_patches")
         _check_range(self.max_request_mb, 1, 2047, "router.max_request_mb")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from epd import errors, logs, rpc
+from epd import errors, logs, prefix, routing, rpc
 from epd.breaker import Breaker
 from epd.config import DeployConfig
 from epd.v1 import epd_pb2_grpc
@@ -84,6 +84,23 @@ class RoleContext:
 
 
 @dataclass(frozen=True)
+class Load:
+    """What a replica reports of its work and caches with every heartbeat (routing reads it; it
+    may be up to a heartbeat old)."""
+
+    queued_tokens: int = 0
+    """Prefill: prompt tokens queued or part-way through, not yet computed."""
+    prefix_summary: bytes = b""
+    """Prefill: the prefix snapshots it holds (``epd.prefix.encode_summary``)."""
+    prefix_block_size: int = 0
+    """Prefill: the block size its prefix keys are made with (0: no prefix cache)."""
+    free_kv_tokens: int = -1
+    """Decode: tokens its K/V pool has free now (-1: not told)."""
+    num_waiting: int = 0
+    """Decode: handed-off requests waiting for a place in its batch."""
+
+
+@dataclass(frozen=True)
 class Endpoint:
     """One replica of a role, as the registry lists it."""
 
@@ -109,6 +126,8 @@ class Endpoint:
     capacity_tokens: int = 0
     """Decode replicas: the tokens their K/V pool holds (a request that needs more is refused
     before prefill); 0: not told."""
+    load: Load = Load()
+    """Its work and caches as of its last heartbeat."""
 
     @property
     def takes_work(self) -> bool:
@@ -144,7 +163,10 @@ class Registry:
             return self._version
         known = self._endpoints.get(endpoint.name)
         if known is not None and known.incarnation == endpoint.incarnation and known.address == endpoint.address:
-            return self._version  # a heartbeat: nothing changed
+            if known.load == endpoint.load:
+                return self._version  # a heartbeat: nothing changed
+            self._endpoints[endpoint.name] = replace(known, load=endpoint.load)  # health and drain stay as judged
+            return self._bump()
         draining = known.draining if known is not None else False
         self._endpoints[endpoint.name] = replace(endpoint, draining=draining, healthy=True)
         return self._bump()
@@ -180,8 +202,8 @@ class Registry:
         so a drain waits for it even before it has acknowledged anything."""
         if watcher and watcher not in self._watchers:
             self._watchers[watcher] = _Watcher(role)
-        return View(self.epoch, self._version, list(self._endpoints.values()),
-                    warming=time.monotonic() - self._started < self._warmup_s)
+        endpoints = [e for e in self._endpoints.values() if not role or e.role == role]  # a watcher needs its role only
+        return View(self.epoch, self._version, endpoints, warming=time.monotonic() - self._started < self._warmup_s)
 
     def poll(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> View | None:
         """A watcher's periodic call, one round trip: it acknowledges the (``epoch``, ``version``)
@@ -223,34 +245,57 @@ class Registry:
 
 class Membership:
     """A replica's own entry in the registry: registered now, then again every ``heartbeat_s``
-    (which refills a registry that Ray restarted)."""
+    (which refills a registry that Ray restarted). ``load`` (if given) is asked for the replica's
+    ``Load`` at every heartbeat; ``report_soon`` sends it now-ish (at most every
+    ``MIN_REPORT_S``) instead of at the next beat, e.g. when prefill has just stored a snapshot."""
+
+    MIN_REPORT_S = 0.1
 
     def __init__(self, context: RoleContext, address: str = "", handle: object = None,
-                 http_address: str = "", capacity_tokens: int = 0) -> None:
+                 http_address: str = "", capacity_tokens: int = 0, load: Callable[[], Load] | None = None) -> None:
         import ray
 
         self.registry = context.registry
         self.heartbeat_s = context.heartbeat_s
+        self._load = load
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
                                  incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address,
                                  capacity_tokens=capacity_tokens)
-        ray.get(self.registry.register.remote(self.endpoint), timeout=60)
+        ray.get(self.registry.register.remote(self._current()), timeout=60)
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership", daemon=True)
         self._thread.start()
+
+    def report_soon(self) -> None:
+        self._wake.set()
+
+    def _current(self) -> Endpoint:
+        if self._load is None:
+            return self.endpoint
+        try:
+            return replace(self.endpoint, load=self._load())
+        except Exception:  # noqa: BLE001 - a report must never stop the heartbeat
+            log.exception("load report failed; registering without it")
+            return self.endpoint
 
     def _loop(self) -> None:
         import ray
 
-        while not self._stop.wait(self.heartbeat_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.heartbeat_s)
+            if self._stop.wait(self.MIN_REPORT_S if self._wake.is_set() else 0):
+                return
+            self._wake.clear()
             try:
-                ray.get(self.registry.register.remote(self.endpoint), timeout=10)
+                ray.get(self.registry.register.remote(self._current()), timeout=10)
             except Exception as error:  # noqa: BLE001 - the registry is restarting: try again next beat
                 log.info("registry unreachable (%s); will register again", type(error).__name__)
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
 
 
 def refill(known: list[Endpoint], listed: list[Endpoint], warming: bool, since_s: float,
@@ -353,6 +398,9 @@ class Balancer:
         self._last_pick: dict[str, int] = {}
         self._picks = 0
         self._stranded: dict[str, float] = {}  # name -> when it last said nothing behind it serves
+        self._sent_tokens: dict[str, int] = {}  # routed calls in flight: the work they carry, by replica
+        self._held: dict[str, tuple[bytes, frozenset[bytes]]] = {}  # name -> (its summary, decoded)
+        self._holders: dict[bytes, set[str]] = {}  # summary key -> the replicas holding it
         self._lock = threading.Lock()
 
     def update(self, endpoints: list[Endpoint]) -> None:
@@ -363,15 +411,63 @@ class Balancer:
                 known = self._live.get(name)
                 if known is not None and known.incarnation != endpoint.incarnation:
                     self._breakers.pop(name, None)  # a restarted replica: a clean slate
+                summary = endpoint.load.prefix_summary
+                if self._held.get(name, (None,))[0] != summary:
+                    self._hold(name, summary)
             self._live = live
+            for name in [n for n in self._held if n not in live]:
+                self._hold(name, None)
 
-    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> tuple[str, Endpoint]:
+    def _hold(self, name: str, summary: bytes | None) -> None:
+        """Record ``name``'s prefix summary (None: forget it), in the index from key to holders too."""
+        _, old = self._held.pop(name, (b"", frozenset()))
+        new = prefix.decode_summary(summary) if summary is not None else frozenset()
+        for key in old - new:
+            holding = self._holders[key]
+            holding.discard(name)
+            if not holding:
+                del self._holders[key]
+        for key in new - old:
+            self._holders.setdefault(key, set()).add(name)
+        if summary is not None:
+            self._held[name] = (summary, new)
+
+    def note_stored(self, address: str, keys: bytes) -> None:
+        """The replica at ``address`` said in its reply that it stored these prefix snapshots
+        (summary keys, ``epd.prefix.summary_key``): it holds them from now on, not from its next
+        report (0.1-0.35 s later, more on a loaded machine, often after the conversation's next
+        turn was routed). Its next changed report replaces what it is known to hold, these included
+        if it still holds them."""
+        if not keys:
+            return
+        with self._lock:
+            name = next((n for n, e in self._live.items() if e.address == address), None)
+            if name is None:
+                return
+            summary, held = self._held.get(name, (b"", frozenset()))
+            added = prefix.decode_summary(keys) - held
+            if not added:
+                return
+            self._held[name] = (summary, held | added)  # the same summary: an unchanged report keeps them
+            for key in added:
+                self._holders.setdefault(key, set()).add(name)
+
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset(),
+             route: routing.Route | None = None) -> tuple[str, Endpoint]:
+        """The allowed replica with the fewest calls in flight (ties: the one picked least
+        recently), or the one ``route`` chooses among the allowed ones in that order; a routed
+        call's work counts against its replica until ``release``."""
         now = time.monotonic()
         with self._lock:
             allowed = [n for n in self._live if n not in exclude and self._breaker(n).allows(now)]
             if not allowed:
                 raise errors.Unavailable(self._none_left(exclude), downstream=True)
-            name = min(allowed, key=lambda n: (self._outstanding.get(n, 0), self._last_pick.get(n, -1)))
+            allowed.sort(key=lambda n: (self._outstanding.get(n, 0), self._last_pick.get(n, -1)))
+            name = allowed[0]
+            if route is not None:
+                choice = route.choose([self._replica(n) for n in allowed], self._holders)
+                name = choice.replica.name
+                self._sent_tokens[name] = self._sent_tokens.get(name, 0) + choice.work_tokens
             self._breaker(name).begin()
             self._outstanding[name] = self._outstanding.get(name, 0) + 1
             self._picks += 1
@@ -389,6 +485,17 @@ class Balancer:
                 self._outstanding[name] = self._outstanding.get(name, 0) + 1
             return name
 
+    def _replica(self, name: str) -> routing.Replica:
+        load = self._live[name].load
+        return routing.Replica(name, self._outstanding.get(name, 0), self._sent_tokens.get(name, 0),
+                               load.queued_tokens, load.prefix_block_size, self._held.get(name, (b"", frozenset()))[1],
+                               load.free_kv_tokens, load.num_waiting)
+
+    def replicas(self) -> list[routing.Replica]:
+        """Every replica that takes work, as a route sees it (status and tests read this)."""
+        with self._lock:
+            return [self._replica(n) for n in self._live]
+
     def same_incarnation(self, tried: dict[str, str]) -> set[str]:
         """The names in ``tried`` (name -> incarnation) whose replica is still that incarnation: a
         replica Ray restarted since it failed may be tried again."""
@@ -398,7 +505,8 @@ class Balancer:
 
     WAIT_POLL_S = 0.2  # how often a call waiting for a replica looks again
 
-    async def pick_or_wait(self, tried: dict[str, str], until: float, wait: bool = True) -> tuple[str, Endpoint]:
+    async def pick_or_wait(self, tried: dict[str, str], until: float, wait: bool = True,
+                           route: routing.Route | None = None) -> tuple[str, Endpoint]:
         """``pick`` passing over the replicas in ``tried`` (name -> the incarnation that failed this
         call) that are still that incarnation. When none is left (the only one died), and ``wait``,
         look again every ``WAIT_POLL_S`` until one is, a restarted replica included (a new
@@ -406,7 +514,7 @@ class Balancer:
         pause. Raises ``errors.Unavailable`` when none is left in time."""
         while True:
             try:
-                return self.pick(exclude=self.same_incarnation(tried))
+                return self.pick(exclude=self.same_incarnation(tried), route=route)
             except errors.Unavailable:
                 left = until - time.monotonic()
                 if left <= 0 or not wait:
@@ -419,12 +527,15 @@ class Balancer:
         with self._lock:
             return any(n not in exclude and self._breaker(n).allows(now) for n in self._live)
 
-    def release(self, name: str, ok: bool | None) -> None:
+    def release(self, name: str, ok: bool | None, work_tokens: int = 0) -> None:
         """The call to ``name`` ended: ``ok`` True/False is the replica's own verdict (a client
-        error or a downstream failure is ``None``: neutral)."""
+        error or a downstream failure is ``None``: neutral); ``work_tokens``: what its route
+        counted against the replica at ``pick``."""
         now = time.monotonic()
         with self._lock:
             self._outstanding[name] -= 1
+            if work_tokens:
+                self._sent_tokens[name] -= work_tokens
             breaker = self._breaker(name)
             breaker.end(ok, now)
             if ok:
@@ -500,7 +611,7 @@ class Targets:
         return logs.with_request_id(self._metadata)
 
     async def call(self, method: str, request_or_factory, timeout: float | None, retry: bool = True,
-                   busy_next: bool = False):
+                   busy_next: bool = False, route: routing.Route | None = None):
         """``await stub.<method>(request)`` on one replica after another until one answers; returns
         (reply, address). ``request_or_factory`` may be a callable that makes the request anew for
         each attempt (a client stream). ``busy_next``: a replica that answers RESOURCE_EXHAUSTED
@@ -509,13 +620,14 @@ class Targets:
         ``wait_s`` (and its timeout) for one to come back, a restarted replica included (it has a
         new incarnation, so having failed before does not rule it out): a lone replica's restart is
         a pause. Raises ``RpcFailure`` with the status (hop-prefixed) when the call fails for
-        another reason, or ``errors.Unavailable`` when no replica is left in time."""
+        another reason, or ``errors.Unavailable`` when no replica is left in time. ``route``: each
+        attempt's replica is the one it chooses (``Balancer.pick``)."""
         tried: dict[str, str] = {}  # name -> the incarnation that failed this call
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         give_up = min(start + self.wait_s, deadline if deadline is not None else float("inf"))
         while True:
-            name, endpoint = await self.balancer.pick_or_wait(tried, give_up, wait=not tried or retry)
+            name, endpoint = await self.balancer.pick_or_wait(tried, give_up, wait=not tried or retry, route=route)
             address = endpoint.address
             ok = None
             try:
@@ -542,7 +654,7 @@ class Targets:
                     raise rpc.RpcFailure.from_rpc_error(error, self.role) from None
                 log.warning("%s %s at %s failed (%s); trying another", self.role, name, address, error.details())
             finally:
-                self.balancer.release(name, ok)
+                self.balancer.release(name, ok, route.chosen.work_tokens if route is not None else 0)
 
     async def call_at(self, address: str, method: str, request, timeout: float | None):
         """``method`` on the replica at ``address``, which an earlier ``call`` chose (a

@@ -11,14 +11,22 @@ continues at ``s + max(h, w)``. Decode step ``i`` of a prompt of length ``L`` us
 
 Nothing here reads or writes state on a model object: transformers keeps ``rope_deltas`` on the
 model, shared by every request that touches it, which is exactly what a server must not do.
+
+Importing this module does not import torch (only building positions does): the placeholder
+spans and vision pieces are plain Python, and the router's prefix keys (``epd.prefix``) and through
+them ``epd.discovery`` use them; the controller, the registry and every `epd` command import
+``epd.discovery``, and torch's import (3 s idle, 10-20 s on a loaded machine) would eat their
+connect deadlines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ def vision_pieces(prompt_ids: Sequence[int], refs, image_token_id: int, video_to
 
 def mrope_positions(num_tokens: int, spans: Sequence[ImageSpan]) -> tuple[torch.Tensor, int]:
     """Positions ``[3, num_tokens]`` (int64) for a prompt, and its ``rope_delta``."""
+    import torch
+
     pieces: list[torch.Tensor] = []
     cursor = 0  # next prompt index to place
     position = 0  # next position to hand out
@@ -133,10 +143,14 @@ def decode_position(prompt_len: int, step: int, rope_delta: int) -> int:
 
 
 def _text_positions(length: int, start: int) -> torch.Tensor:
+    import torch
+
     return (torch.arange(length, dtype=torch.long) + start).expand(3, length)
 
 
 def _image_positions(span: ImageSpan, start: int) -> torch.Tensor:
+    import torch
+
     rows = torch.arange(span.merged_height, dtype=torch.long).repeat_interleave(span.merged_width)
     cols = torch.arange(span.merged_width, dtype=torch.long).repeat(span.merged_height)
     time = torch.zeros_like(rows)

@@ -6,17 +6,13 @@ boundary to snapshot, what to evict) is plain Python; the only tensors held are 
 themselves, and a snapshot is copied on the way in and on the way out so no request can change
 what another one reads. Prefix snapshots share their K/V blocks (``PrefixCache``).
 
-Prefix keys are a chained sha256 over fixed-size blocks of prompt tokens. The root carries the
-model fingerprint, the block size and the request's cache salt (if any); each block adds its token ids and, for every image
-overlapping the block, that image's store key (which already hashes the image bytes, the
-processor settings and the model) with its start index. Image placeholder tokens are the same
-for every image, so keying on tokens alone would serve one image's state to another.
+Prefix keys (``epd.prefix``) are a chained sha256 over fixed-size blocks of prompt tokens and the
+images' content keys; the router computes the same keys to route a request to the replica holding
+its prefix, from the summary each replica reports (``PrefixCache.summary``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -26,7 +22,7 @@ from typing import Generic, TypeVar
 import torch
 
 from epd.lm import HybridState
-from epd.positions import ImageSpan
+from epd.prefix import KeyedImage, encode_summary, lookup_blocks, prefix_block_hashes  # noqa: F401 - re-exported
 
 V = TypeVar("V")
 
@@ -98,37 +94,7 @@ class ByteLRU(Generic[V]):
                               self.capacity_bytes)
 
 
-# ---------------------------------------------------------------- prefix keys
-
-
-@dataclass(frozen=True)
-class KeyedImage:
-    """An image's place in the prompt and the store key that names its content."""
-
-    span: ImageSpan
-    store_key: str
-
-
-def prefix_block_hashes(token_ids: Sequence[int], images: Sequence[KeyedImage], block_size: int,
-                        model_fingerprint: str, salt: str = "") -> list[bytes]:
-    """One chained hash per *full* block: ``hashes[i]`` names the prefix ``token_ids[:(i+1)*block_size]``.
-    A ``salt`` (the request's ``cache_salt``) goes into the root: only requests with the same salt
-    share entries."""
-    root = f"epd-prefix-v1\0{model_fingerprint}\0{block_size}"
-    if salt:
-        root += f"\0salt\0{len(salt)}\0{salt}"
-    digest = hashlib.sha256(root.encode()).digest()
-    hashes: list[bytes] = []
-    for block in range(len(token_ids) // block_size):
-        start, end = block * block_size, (block + 1) * block_size
-        h = hashlib.sha256(digest)
-        h.update(struct.pack(f"<{block_size}i", *token_ids[start:end]))
-        for image in images:
-            if image.span.start < end and image.span.end > start:
-                h.update(f"\0img\0{image.span.start}\0{image.store_key}".encode())
-        digest = h.digest()
-        hashes.append(digest)
-    return hashes
+# ---------------------------------------------------------------- prefix keys (epd.prefix)
 
 
 def snapshot_points(prompt_len: int, block_size: int, every_blocks: int, last_turn_start: int | None = None) -> list[int]:
@@ -176,7 +142,7 @@ class PrefixCache:
         logits need one): ``(num_tokens, a private copy of its state)`` or ``(0, None)``."""
         with self._lock:
             found_len, parts = 0, None
-            for block in range(min(len(hashes), (prompt_len - 1) // self.block_size), 0, -1):
+            for block in lookup_blocks(len(hashes), prompt_len, self.block_size):
                 snapshot = self._snapshots.get(hashes[block - 1])
                 if snapshot is not None:
                     self._snapshots.move_to_end(hashes[block - 1])
@@ -222,6 +188,13 @@ class PrefixCache:
             self._snapshots[key] = _Snapshot(list(block_hashes), _linear_copy(state), linear_bytes, len(state.keys))
             self._num_bytes += cost
             return True
+
+    def summary(self) -> bytes:
+        """What this cache holds, compactly (``epd.prefix.encode_summary``): its snapshots' keys,
+        most recently used first; the router routes on it."""
+        with self._lock:
+            keys = list(reversed(self._snapshots))
+        return encode_summary(keys)
 
     def wants(self, block_hash: bytes) -> bool:
         with self._lock:

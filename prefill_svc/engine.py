@@ -24,12 +24,13 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
 
-from epd import errors, limits, positions
+from epd import discovery, errors, limits, positions
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
@@ -40,8 +41,9 @@ from epd.request import FinishReason
 from epd.sampling import (PromptLogprob, SamplingConfig, TokenHistory, TokenLogprobs, history_for,
                           prompt_logprobs, sample, stops_on)
 from epd.store import EmbeddingStore, StoreUnavailable, decode_value
+from epd.prefix import request_block_hashes, summary_key
 from epd.v1 import epd_pb2
-from prefill_svc.caches import ByteLRU, KeyedImage, PrefixCache, prefix_block_hashes, snapshot_points
+from prefill_svc.caches import ByteLRU, PrefixCache, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress
 
 MIB = 1 << 20
@@ -61,6 +63,7 @@ class PrefillResult:
     queue_s: float = 0.0
     cached_tokens: int = 0
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # tokens 1.. of the prompt, when asked
+    stored_keys: bytes = b""  # the summary keys of the prefix snapshots this prompt stored
 
 
 @dataclass(eq=False)
@@ -85,6 +88,7 @@ class PrefillJob:
     num_prompt_top: int | None = None  # prompt_logprobs asked: alternatives per prompt token
     token_ids: list[int] = field(default_factory=list)  # the prompt's, when prompt logprobs are asked
     prompt_entries: list[PromptLogprob] = field(default_factory=list)  # computed so far, in prompt order
+    stored: list[bytes] = field(default_factory=list)  # summary keys of the snapshots it stored
 
     @property
     def cached_tokens(self) -> int:
@@ -133,6 +137,9 @@ class PrefillEngine:
         self._stopping = False
         self._store_hits = self._store_misses = 0
         self.num_cancelled = {"queued": 0, "running": 0}
+        self.on_stored: Callable[[], None] | None = None  # called when a prefix snapshot is stored (the server reports it)
+        self.busy_s = 0.0  # time in forwards (and the snapshots stored after them) since start
+        self.computed_tokens = 0  # prompt tokens those forwards computed (cached prefixes excluded)
         self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
         self._thread.start()
 
@@ -200,6 +207,7 @@ class PrefillEngine:
             queue_s=job.started_at - job.queued_at,
             cached_tokens=job.cached_tokens,
             prompt_logprobs=job.prompt_entries,
+            stored_keys=b"".join(job.stored),
         )
 
     def prepare(self, request: epd_pb2.PrefillRequest) -> PrefillJob:
@@ -216,12 +224,10 @@ class PrefillEngine:
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
         prompt_len = len(token_ids) - request.num_generated
-        pieces = positions.vision_pieces(token_ids[:prompt_len], request.images, self.info.image_token_id,
-                                         self.info.video_token_id)
+        pieces, hashes = request_block_hashes(token_ids, request.num_generated, request.images,
+                                              self.info.image_token_id, self.info.video_token_id,
+                                              self.prefix.block_size, self.info.fingerprint, request.cache_salt)
         spans = [piece.span for piece in pieces]
-        images = [KeyedImage(piece.span, piece.name) for piece in pieces]
-        hashes = prefix_block_hashes(token_ids, images, self.prefix.block_size, self.info.fingerprint,
-                                     request.cache_salt)
         num_top = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
         if num_top is not None:
             if request.num_generated:
@@ -366,6 +372,7 @@ class PrefillEngine:
 
     def _run_chunks(self, batch: list[tuple[PrefillJob, int]]) -> None:
         """One forward over the next chunk of every prompt in ``batch``."""
+        start = time.perf_counter()
         chunks = []
         for job, end in batch:
             base = job.cached_tokens
@@ -379,10 +386,18 @@ class PrefillEngine:
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
-                if self.prefix.wants(hashes[-1]):
-                    self.prefix.insert(hashes, job.state)
+                if self.prefix.wants(hashes[-1]) and self.prefix.insert(hashes, job.state):
+                    job.stored.append(summary_key(hashes[-1]))
+                    if self.on_stored:
+                        self.on_stored()
             if end == job.progress.prompt_len:
                 job.logits = self.runner.logits(hidden[row])
+        self.computed_tokens += sum(chunk[0].shape[0] for chunk in chunks)
+        self.busy_s += time.perf_counter() - start
+
+    def work(self) -> dict[str, float]:
+        """What this replica has computed since it started: seconds in forwards, prompt tokens."""
+        return {"busy_s": self.busy_s, "computed_tokens": self.computed_tokens}
 
     def _prompt_logprobs(self, job: PrefillJob, hidden: torch.Tensor, start: int, end: int) -> None:
         """The logprobs of prompt tokens ``start + 1 .. end`` from the hidden states ``[end - start,
@@ -424,6 +439,16 @@ class PrefillEngine:
         for job in waiting:
             self._finish(job, errors.Unavailable("prefill is shutting down"))
 
+    def queued_tokens(self) -> int:
+        """Prefill work queued here: prompt tokens not yet computed (cached prefixes excluded)."""
+        with self._wake:
+            return self._scheduler.remaining_tokens()
+
+    def load(self) -> discovery.Load:
+        """What this replica reports with its heartbeat: queued work and the prefixes it holds."""
+        return discovery.Load(queued_tokens=self.queued_tokens(), prefix_summary=self.prefix.summary(),
+                              prefix_block_size=self.prefix.block_size if self.config.prefix_cache_mb else 0)
+
     def num_waiting(self) -> int:
         """Prompts queued or part-way through their prefill."""
         with self._wake:
@@ -460,6 +485,10 @@ class PrefillEngine:
             gauge("epd_prefill_held_capacity_bytes", "The budget for them (prefill.max_held_mb)").add(self.held.budget),
             counter("epd_prefill_refused_total", "Prompts refused with RESOURCE_EXHAUSTED: the budget was full")
             .add(self.held.refused),
+            counter("epd_prefill_busy_seconds_total", "Seconds in prefill forwards (and the prefix snapshots "
+                    "stored after them)").add(self.busy_s),
+            counter("epd_prefill_computed_tokens_total", "Prompt tokens computed (cached prefixes excluded)")
+            .add(self.computed_tokens),
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
                     "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
         ]

@@ -60,6 +60,10 @@ class PrefillScheduler:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def remaining_tokens(self) -> int:
+        """Prompt tokens still to compute, over every prompt waiting or part-way through."""
+        return sum(p.remaining for p in self._waiting)
+
     def next_batch(self, now: float = 0.0) -> list[tuple[PromptProgress, int]]:
         """The chunks of the next forward: (prompt, end of its chunk, exclusive), in run order."""
         starving = sorted((p for p in self._waiting if now - p.last_ran >= self.max_wait_s), key=lambda p: p.arrival)

@@ -1,5 +1,6 @@
 """The Prefill gRPC service: run the prompt through ``PrefillEngine``, hand the state to a decode
-replica (the least busy one; another one if it dies during the handoff) and tell the router where
+replica (one with free K/V memory for it and the fewest handoffs waiting, ``routing.DecodeRoute``;
+another one if it dies during the handoff) and tell the router where
 the tokens stream from.
 
 A call is a coroutine on the server's event loop: waiting for the scheduler holds no thread, and
@@ -15,7 +16,7 @@ import time
 
 import grpc
 
-from epd import discovery, errors, handoff, memory_plan, rpc
+from epd import discovery, errors, handoff, memory_plan, routing, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import TextModelRunner
@@ -58,6 +59,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             queue_s=result.queue_s,
             cached_tokens=result.cached_tokens,
             prompt_logprobs=[prompt_logprob_to_proto(entry) for entry in result.prompt_logprobs],
+            stored_prefix_keys=result.stored_keys,
         )
         if result.finish_reason is not None:
             reply.finished = True
@@ -93,8 +95,9 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         pause = 0.02
         while True:
             try:
+                need = header.prompt_len + header.sampling.max_tokens - header.num_generated
                 _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),
-                                                     busy_next=True)
+                                                     busy_next=True, route=routing.DecodeRoute(need))
                 await self._decode.call_at(address, "Handoff", handoff.chunks_async(header, state),
                                            timeout=context.time_remaining())
                 return address
@@ -134,7 +137,12 @@ class PrefillServer(rpc.RoleServer):
                       "epd.v1.Prefill")], context.host, internal,
                     healthy=lambda: self._decode.balancer.num_available() > 0)
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
-        self.membership = Membership(context, address=self.address())
+        self.membership = Membership(context, address=self.address(), load=self.engine.load)
+        self.engine.on_stored = self.membership.report_soon  # the router routes on it: tell it soon
+
+    def work(self) -> dict[str, float]:
+        """Its prefill work since it started (``PrefillEngine.work``): the bench compares replicas by it."""
+        return self.engine.work()
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.membership.close()

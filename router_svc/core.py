@@ -25,12 +25,11 @@ import dataclasses
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from epd import discovery, errors, grammar, limits, logs, rpc
+from epd import discovery, errors, grammar, limits, logs, prefix, routing, rpc
 from epd.config import RouterConfig
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
@@ -40,6 +39,7 @@ from epd.v1 import epd_pb2
 from epd.wire import sampling_to_proto
 from router_svc.flights import SingleFlight
 from router_svc.prompt import Prompt, PromptBuilder, request_images_proto
+from router_svc.request import RouterRequest, RouteStatus
 from router_svc.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class RouterCore:
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
                         "retried_prefills": 0, "inline_images": 0, "refused": 0,
-                        "preempted": 0}
+                        "preempted": 0, "routed_cached_tokens": 0}
+        # least-load is the balancer's own order (no route): what every other role's calls use
+        self._policy = None if config.prefill_routing == "least-load" else routing.make_policy(config.prefill_routing)
         self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
         self.active: set[asyncio.Task] = set()
         self.waiting = 0  # requests accepted and not yet streaming their first token
@@ -110,24 +112,26 @@ class RouterCore:
         task = asyncio.current_task()
         self.active.add(task)
         self.waiting += 1
-        run = _Run(client_id=request.request_id)
+        run = RouterRequest(client_id=request.request_id)
+        waiting = True
         try:
             async for event in self._generate(request, timeout_s, run, on_accepted):
-                if run.stage != "decode":
-                    run.stage = "decode"  # the first chunk: streaming, no longer waiting
+                if waiting:  # the first chunk: streaming, no longer waiting
+                    waiting = False
                     self.waiting -= 1
                 yield event
         except asyncio.CancelledError:
             self._cancelled[run.stage] += 1
             if run.unclaimed_decode:  # handed off, never streamed: free its decode slot now
-                asyncio.ensure_future(self._release_decode(run.request_id, run.unclaimed_decode))
+                asyncio.ensure_future(self._release_decode(run.attempt_id, run.unclaimed_decode))
             raise
         finally:
-            if run.stage != "decode":
+            run.to(RouteStatus.FINISHED)
+            if waiting:
                 self.waiting -= 1
             self.active.discard(task)
 
-    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: _Run,
+    async def _generate(self, request: epd_pb2.GenerateRequest, timeout_s: float | None, run: RouterRequest,
                         on_accepted: Callable[[], None] | None = None):
         start = time.perf_counter()
         run.sampling = sampling = self._resolve_sampling(request.sampling)
@@ -162,13 +166,14 @@ class RouterCore:
         if on_accepted is not None:
             on_accepted()
 
-        run.stage = "encode"
+        run.to(RouteStatus.ENCODING)
         inline = await self._ensure_embeddings(run, force=False)
-        run.stage = "prefill"
+        run.to(RouteStatus.PREFILLING)
         reply = await self._prefill(run, self._prefill_job(run, inline))
         run.timings.MergeFrom(_stage_timings(reply))
         run.unclaimed_decode = reply.decode_addr
         ttft = time.perf_counter() - start
+        run.to(RouteStatus.STREAMING, f"first token from prefill, handed off to {reply.decode_addr or 'nobody'}")
 
         text = TextStream(self.builder.tokenizer, list(request.sampling.stop), min_tokens=sampling.min_tokens)
         first = _chunk([reply.first_token], text.add([reply.first_token], ends=_stop_token(reply)),
@@ -181,7 +186,7 @@ class RouterCore:
         finish = reply.finish_reason if reply.finished else ""
         if text.stopped and not finish:
             finish = FinishReason.STOP.value
-            await self._release_decode(run.request_id, reply.decode_addr)
+            await self._release_decode(run.attempt_id, reply.decode_addr)
         if not finish:
             async for event in self._relay(run, reply.decode_addr, text):
                 if isinstance(event, str):
@@ -200,7 +205,7 @@ class RouterCore:
         chunk_keys = {image.store_key for image in prompt.images if image.video is not None}
         yield epd_pb2.GenerateResponse(summary=epd_pb2.Summary(
             **stop_reason,
-            request_id=request.request_id or logs.REQUEST_ID.get() or run.request_id,  # the id the logs name
+            request_id=request.request_id or logs.REQUEST_ID.get() or run.id,  # the id the logs name
             prompt_tokens=len(prompt.token_ids),
             image_tokens=prompt.num_image_tokens,
             completion_tokens=len(text.token_ids),
@@ -283,7 +288,7 @@ class RouterCore:
                 f"decode worker's K/V pool holds {capacity} (decode.kv_cache_bytes); {hint}"
             )
 
-    async def _ensure_embeddings(self, run: _Run, force: bool) -> dict[str, bytes]:
+    async def _ensure_embeddings(self, run: RouterRequest, force: bool) -> dict[str, bytes]:
         """Make sure prefill can get every image of the prompt: in the store, or (when the store
         is out of reach, or ``force``) encoded again with the embedding returned inline. Returns
         the inline embeddings by store key. Keys another request is already encoding are waited
@@ -308,7 +313,7 @@ class RouterCore:
         self._count(inline_images=len(inline))
         return inline
 
-    async def _encode(self, run: _Run, keys: list[str], inline: bool) -> dict[str, epd_pb2.EncodedImage]:
+    async def _encode(self, run: RouterRequest, keys: list[str], inline: bool) -> dict[str, epd_pb2.EncodedImage]:
         first = {}
         for index, image in enumerate(run.prompt.images):
             first.setdefault(image.store_key, index)
@@ -328,7 +333,7 @@ class RouterCore:
             self._check_encoded(run.prompt, first[key], results[key])
         return results
 
-    async def _encode_led(self, run: _Run, first: dict[str, int], led: list[str], inline: bool,
+    async def _encode_led(self, run: RouterRequest, first: dict[str, int], led: list[str], inline: bool,
                           single_flight: bool) -> dict[str, epd_pb2.EncodedImage]:
         """One Encode call for the keys this request leads; every waiter gets the outcome, and every
         led key is resolved whatever happens (a waiter must never wait for ever)."""
@@ -368,12 +373,12 @@ class RouterCore:
             raise errors.ServiceError(f"{what}: encoder made {result.num_tokens} tokens, the header "
                                       f"promised {prompt.images[index].info.num_tokens}")
 
-    def _prefill_job(self, run: _Run, inline: dict[str, bytes], generated: list[int] = ()) -> epd_pb2.PrefillRequest:
+    def _prefill_job(self, run: RouterRequest, inline: dict[str, bytes], generated: list[int] = ()) -> epd_pb2.PrefillRequest:
         images = request_images_proto(run.prompt)
         for image in images:
             image.embedding = inline.get(image.store_key, b"")
         job = epd_pb2.PrefillRequest(
-            request_id=run.request_id,
+            request_id=run.attempt_id,
             token_ids=[*run.prompt.token_ids, *generated],
             images=images,
             sampling=sampling_to_proto(run.sampling),
@@ -385,24 +390,48 @@ class RouterCore:
             job.prompt_logprobs = run.prompt_logprobs
         return job
 
-    async def _prefill(self, run: _Run, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
+    def _route(self, job: epd_pb2.PrefillRequest) -> routing.PrefillRoute | None:
+        """How this prefill job picks its replica (``router.prefill_routing``); None: least load,
+        the balancer's own order. The prefix keys are prefill's own (``epd.prefix``)."""
+        if self._policy is None:
+            return None
+        info = self.builder.info
+
+        def hashes_for(block_size: int) -> list[bytes]:
+            return prefix.request_block_hashes(job.token_ids, job.num_generated, job.images, info.image_token_id,
+                                               info.video_token_id, block_size, info.fingerprint, job.cache_salt)[1]
+
+        return routing.PrefillRoute(self._policy, len(job.token_ids), hashes_for)
+
+    async def _call_prefill(self, run: RouterRequest, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
+        route = self._route(job)
+        reply, address = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True,
+                                                 route=route)
+        self.prefill.balancer.note_stored(address, reply.stored_prefix_keys)  # the next turn may follow at once
+        if route is not None and route.chosen is not None:
+            log.debug("request %s: prefill at %s (expected %d cached tokens, %d queued there; prefill had %d)",
+                      run.attempt_id, address, route.chosen.cached_tokens, route.chosen.replica.queued_tokens,
+                      reply.cached_tokens)
+        self._count(routed_cached_tokens=route.chosen.cached_tokens if route is not None and route.chosen else 0)
+        return reply
+
+    async def _prefill(self, run: RouterRequest, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         try:
-            reply, _ = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True)
-            return reply
+            return await self._call_prefill(run, job)
         except rpc.RpcFailure as failure:
             if failure.code is not grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         # An embedding went missing between our check and prefill's read (evicted, or the store
         # became unreachable): encode again with the embeddings inline, and retry once.
         self._count(retried_prefills=1)
+        run.to(RouteStatus.ENCODING, "an embedding went missing before prefill read it")
         inline = await self._ensure_embeddings(run, force=True)
         generated = list(job.token_ids[len(run.prompt.token_ids):])
-        reply, _ = await self.prefill.call("Prefill", self._attempts(run, self._prefill_job(run, inline, generated)),
-                                           run.remaining(), busy_next=True)
-        return reply
+        run.to(RouteStatus.PREFILLING, "with the embeddings inline")
+        return await self._call_prefill(run, self._prefill_job(run, inline, generated))
 
     @staticmethod
-    def _attempts(run: _Run, job: epd_pb2.PrefillRequest):
+    def _attempts(run: RouterRequest, job: epd_pb2.PrefillRequest):
         """The Prefill request for each attempt: a retry (the prefill worker died under the call,
         perhaps after it had handed the state to decode) gets a fresh internal id, so decode never
         sees one id handed off twice; the stream then claims the last attempt's id."""
@@ -412,17 +441,17 @@ class RouterCore:
             nonlocal attempts
             attempts += 1
             if attempts > 1:
-                run.request_id = job.request_id = uuid.uuid4().hex
+                job.request_id = run.new_attempt("prefill retried on another replica")
             return job
 
         return make
 
-    async def _relay(self, run: _Run, decode_addr: str, text: TextStream):
+    async def _relay(self, run: RouterRequest, decode_addr: str, text: TextStream):
         """Relay decode's token batches as chunks; yields the finish reason (a str) last. When the
         decode worker dies, or preempts the request to free K/V memory, resume elsewhere (or on
         the same worker, once it has room) and go on exactly where the stream stopped."""
         while True:
-            call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.request_id),
+            call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.attempt_id),
                                                              timeout=run.remaining(),
                                                              metadata=self.decode.metadata)
             run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
@@ -462,32 +491,33 @@ class RouterCore:
                 yield reply.finish_reason
                 return
             if text.stopped:
-                await self._release_decode(run.request_id, reply.decode_addr)
+                await self._release_decode(run.attempt_id, reply.decode_addr)
                 yield FinishReason.STOP.value
                 return
             decode_addr = run.unclaimed_decode = reply.decode_addr
 
-    async def _resume(self, run: _Run, generated: list[int], lost_addr: str, why: str,
+    async def _resume(self, run: RouterRequest, generated: list[int], lost_addr: str, why: str,
                       preempted: bool = False) -> epd_pb2.PrefillResponse:
         """The decode worker at ``lost_addr`` lost the request (it died, restarted without it, or
         preempted it): prefill the prompt plus the ``generated`` tokens (sampling the next one
         exactly as decode would have) and hand off to a decode worker again. A death counts
         against ``router.max_resumes``; a preemption only against the request's deadline."""
         if preempted:
-            run.preemptions += 1
             self._count(preempted=1)
             log.info("decode at %s preempted request %s after %d tokens; resuming by replay", lost_addr,
-                     run.request_id, len(generated))
+                     run.attempt_id, len(generated))
         else:
             if run.resumes - run.preemptions >= self.config.max_resumes:
                 raise errors.Unavailable(f"decode: the request lost its decode worker {self.config.max_resumes + 1} times; "
                                          "giving up")
             self._count(resumes=1)
             log.warning("decode at %s lost request %s after %d tokens (%s); resuming on another worker", lost_addr,
-                        run.request_id, len(generated), why)
-        run.resumes += 1
-        run.request_id = uuid.uuid4().hex  # a new id: the old one may linger on a restarted worker
-        return await self._prefill(run, self._prefill_job(run, {}, list(generated)))
+                        run.attempt_id, len(generated), why)
+        run.resume(preempted)  # a new attempt id: the old one may linger on a restarted worker
+        run.to(RouteStatus.PREFILLING, f"prompt plus {len(generated)} answer tokens")
+        reply = await self._prefill(run, self._prefill_job(run, {}, list(generated)))
+        run.to(RouteStatus.STREAMING, f"resumed, handed off to {reply.decode_addr or 'nobody'}")
+        return reply
 
     async def _release_decode(self, request_id: str, decode_addr: str) -> None:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
@@ -519,6 +549,9 @@ class RouterCore:
             .add(self._flights.num_joined),
             counter("epd_prefix_cache_hit_tokens_total", "Prompt tokens prefill took from its prefix cache")
             .add(counts["prefix_tokens"]),
+            counter("epd_prefill_routed_cached_tokens_total", "Prompt tokens the router expected the chosen prefill "
+                    "replica's prefix cache to hold (compare epd_prefix_cache_hit_tokens_total)")
+            .add(counts["routed_cached_tokens"]),
             counter("epd_requests_resumed_total", "Times a request moved to another decode worker after its "
                     "worker died").add(counts["resumes"]),
             counter("epd_requests_preempted_total", "Times decode preempted a request to free K/V memory (it "
@@ -553,29 +586,6 @@ class RouterCore:
         for stage, count in self._cancelled.items():
             family.add(count, stage)
         return family
-
-
-class _Run:
-    """One request's progress through the path: what the steps share."""
-
-    prompt: Prompt
-    sampling: SamplingConfig
-    deadline: float
-    cache_salt: str = ""
-    prompt_logprobs: int | None = None  # alternatives per prompt token, when the prompt's logprobs are asked
-
-    def __init__(self, client_id: str) -> None:
-        self.client_id = client_id
-        self.request_id = uuid.uuid4().hex  # internal: unique whatever the client sent
-        self.resumes = 0  # times it moved to a decode worker again (deaths and preemptions)
-        self.preemptions = 0
-        self.stage = "tokenize"  # where the request is: tokenize, encode, prefill, decode
-        self.unclaimed_decode = ""  # a decode address holding a handoff no stream has claimed yet
-        self.encoded: set[str] = set()  # store keys this request's encodes produced
-        self.timings = epd_pb2.StageTimings()
-
-    def remaining(self) -> float:
-        return max(0.1, self.deadline - time.time())
 
 
 def _stage_timings(reply: epd_pb2.PrefillResponse) -> epd_pb2.StageTimings:

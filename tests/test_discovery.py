@@ -4,6 +4,8 @@ the controller's reading of probes (``control.fleet``); the autoscaling policy's
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +16,17 @@ from epd import discovery, errors
 from epd.breaker import Breaker
 from epd.config import AutoscaleConfig
 from epd.discovery import WATCHER_STALE_S, Balancer, Endpoint, Registry
+
+
+def test_the_control_plane_imports_no_torch():
+    """The controller, the registry and every `epd` command import ``epd.discovery`` (and through it
+    the router's prefix keys). torch's import takes 3 s idle and 10-20 s on a loaded machine: inside
+    `epd status`'s 10 s connect deadline it made the command give up while the autoscaler started
+    encoders (tests/test_cluster_scaling.py)."""
+    check = ("import sys\nimport control.controller, control.cli, epd.discovery, epd.routing, epd.prefix\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", (out.stdout, out.stderr)
 
 
 def _ep(name, role="decode", incarnation="i1", **kwargs):

@@ -120,6 +120,7 @@ def test_prefix_hit_computes_only_the_suffix_and_matches_transformers(oracle, in
     engine = make_engine(chunk_tokens=64, prefix_block_size=16, snapshot_every_blocks=4)
     first = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE))
     engine.run(first.request(), GREEDY)
+    assert engine.work()["computed_tokens"] == len(first.token_ids) and engine.work()["busy_s"] > 0
     history = user("What is in this picture?", SQUARE) + [
         {"role": "assistant", "content": "A square."}, {"role": "user", "content": "And its colour?"}]
     second = Case(oracle, info, redis_url, history)
@@ -127,6 +128,8 @@ def test_prefix_hit_computes_only_the_suffix_and_matches_transformers(oracle, in
     shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
     # The snapshot at the last block edge before the first turn's generation prompt is the one to hit.
     assert result.cached_tokens == shared // 16 * 16
+    # the work counted: every prompt token not served from the cache, once
+    assert engine.work()["computed_tokens"] == len(first.token_ids) + len(second.token_ids) - result.cached_tokens
     assert result.cached_tokens >= first.token_ids.index(info.image_token_id) + 196
     assert_matches_oracle(runner, second, result)
 

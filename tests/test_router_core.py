@@ -27,6 +27,9 @@ class Balancer:
     def capacity_tokens(self) -> int:
         return 0  # no replica said how many tokens its K/V pool holds
 
+    def note_stored(self, address: str, keys: bytes) -> None:
+        self.stored = getattr(self, "stored", b"") + keys  # what a prefill reply said it stored
+
 
 class NoDecode:
     """Never reached in a test that uses it: only its balancer is read (the K/V capacity check)."""
@@ -44,7 +47,7 @@ class ShortEncoder:
         self.calls = 0
         self.short = True
 
-    async def call(self, method, request, timeout, retry=True, busy_next=False):
+    async def call(self, method, request, timeout, retry=True, busy_next=False, route=None):
         self.calls += 1
         items = list(request.items)[:-1] if self.short else list(request.items)
         images = [epd_pb2.EncodedImage(store_key=i.store_key, num_tokens=probe_image(i.data, self.settings).num_tokens)
@@ -55,7 +58,7 @@ class ShortEncoder:
 class NoPrefill:
     balancer = Balancer()
 
-    async def call(self, method, request, timeout, retry=True, busy_next=False):
+    async def call(self, method, request, timeout, retry=True, busy_next=False, route=None):
         raise errors.Unavailable("prefill: there is none in this test")
 
 
@@ -107,7 +110,7 @@ class OnePrefill:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
 
-    async def call(self, method, request, timeout, retry=True, busy_next=False):
+    async def call(self, method, request, timeout, retry=True, busy_next=False, route=None):
         return epd_pb2.PrefillResponse(first_token=self.tokens[0], decode_addr="decode-a",
                                        first_logprobs=epd_pb2.TokenLogprobs(logprob=-0.0)), "here"
 

@@ -380,7 +380,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., deadline_unix: _Optional[float] = ..., num_generated: _Optional[int] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes", "store_read_s", "cached_tokens", "queue_s", "prompt_logprobs")
+    __slots__ = ("first_token", "first_logprobs", "finished", "finish_reason", "decode_addr", "prefill_s", "handoff_s", "handoff_bytes", "store_read_s", "cached_tokens", "queue_s", "prompt_logprobs", "stored_prefix_keys")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class PrefillResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STORED_PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprobs: TokenLogprobs
     finished: bool
@@ -405,7 +406,8 @@ class PrefillResponse(_message.Message):
     cached_tokens: int
     queue_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_addr: _Optional[str] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ..., store_read_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    stored_prefix_keys: bytes
+    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., decode_addr: _Optional[str] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., handoff_bytes: _Optional[int] = ..., store_read_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stored_prefix_keys: _Optional[bytes] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
