@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from epd import prefix, routing
-from epd.discovery import HEARTBEAT_S, Balancer, Endpoint, Load, Membership
+from epd.discovery import HEARTBEAT_S, Balancer, Endpoint, Load, Membership, RoleContext
 from epd.lm import HybridState
 from epd.v1 import epd_pb2
 from prefill_svc.caches import PrefixCache, snapshot_points
 
-POLL_S = 0.25  # RoleContext.poll_s: how often a router's watch re-reads the registry
+POLL_S = RoleContext.poll_s  # how often a router's watch re-reads the registry (its default)
 IMAGE_TOKEN = 151655  # any id: the keys only need the placeholders to be one
 POLICIES = ("round-robin", "least-load", "affinity", "epd")
 
