@@ -30,6 +30,7 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
 from epd import discovery
+from epd.compute_gate import forward_turn
 from epd.config import DecodeConfig
 from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner
@@ -264,7 +265,8 @@ class DecodeEngine:
     def _forward(self, members: list[DecodeRequest]) -> torch.Tensor:
         tokens = [r.last_token for r in members]
         positions_ = [r.position for r in members]
-        logits = self.runner.decode_step(self._batch, tokens, positions_)
+        with forward_turn():
+            logits = self.runner.decode_step(self._batch, tokens, positions_)
         self.steps += 1
         self.batch_sizes_total += len(members)
         self.largest_batch = max(self.largest_batch, len(members))

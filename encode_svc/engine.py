@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from epd import checkpoint, errors, imaging, kernels, limits, memory_plan, rpc, video
+from epd.compute_gate import forward_turn
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
@@ -263,7 +264,8 @@ class EncoderEngine:
         weight = next(self.vision.parameters())
         grid = torch.tensor(grids, dtype=torch.long, device=weight.device)
         patches = torch.cat(pixel_values).to(weight.device, weight.dtype)
-        out = self.vision(patches, grid_thw=grid).pooler_output.to("cpu")
+        with forward_turn():
+            out = self.vision(patches, grid_thw=grid).pooler_output.to("cpu")
         merge = self.vision.spatial_merge_size**2
         sizes = [t * h * w // merge for t, h, w in grids]
         return [piece.contiguous() for piece in torch.split(out, sizes)]

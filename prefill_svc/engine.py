@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd import discovery, errors, limits, positions
+from epd.compute_gate import forward_turn
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
@@ -136,7 +137,7 @@ class PrefillEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._store_hits = self._store_misses = 0
-        self.num_cancelled = {"queued": 0, "running": 0}
+        self.num_cancelled = {"queued": 0, "running": 0, "handoff": 0}
         self.on_stored: Callable[[], None] | None = None  # called when a prefix snapshot is stored (the server reports it)
         self.busy_s = 0.0  # time in forwards (and the snapshots stored after them) since start
         self.computed_tokens = 0  # prompt tokens those forwards computed (cached prefixes excluded)
@@ -379,10 +380,11 @@ class PrefillEngine:
             lo, hi = job.progress.cursor - base, end - base
             chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
         every_row = frozenset(row for row, (job, _) in enumerate(batch) if job.num_prompt_top is not None)
-        hidden, rows = self.runner.forward_rows(chunks, every_row)
-        for row in every_row:
-            job, end = batch[row]
-            self._prompt_logprobs(job, rows[row], job.progress.cursor, end)
+        with forward_turn():
+            hidden, rows = self.runner.forward_rows(chunks, every_row)
+            for row in every_row:
+                job, end = batch[row]
+                self._prompt_logprobs(job, rows[row], job.progress.cursor, end)
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
@@ -490,7 +492,8 @@ class PrefillEngine:
             counter("epd_prefill_computed_tokens_total", "Prompt tokens computed (cached prefixes excluded)")
             .add(self.computed_tokens),
             counter("epd_prefill_cancelled_total", "Prompts dropped because their caller left, by where they were",
-                    "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running"),
+                    "where").add(self.num_cancelled["queued"], "queued").add(self.num_cancelled["running"], "running")
+            .add(self.num_cancelled["handoff"], "handoff"),
         ]
 
 

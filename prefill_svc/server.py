@@ -80,7 +80,11 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             header.generated_token_ids.extend([*request.token_ids[prompt_len:], result.first_token])
             if sampling.needs_prompt:
                 header.prompt_token_set.extend(sorted(set(request.token_ids[:prompt_len])))
-        reply.decode_addr = await self._hand_off(header, result.state, context)
+        try:
+            reply.decode_addr = await self._hand_off(header, result.state, context)
+        except asyncio.CancelledError:  # computed, and the caller left while it was handed off
+            self.engine.num_cancelled["handoff"] += 1
+            raise
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()
         return reply
