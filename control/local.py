@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import replace
 
-from epd import logs
+from epd import core_share, logs
 from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
@@ -49,6 +49,7 @@ class LocalStack:
         self.ray_address = ""
         self._ray_started = False
         self._redis_dir = ""
+        self._core_share_dir = ""
 
     def start(self) -> str:
         """Bring everything up; returns the router's address once every role is SERVING."""
@@ -62,6 +63,11 @@ class LocalStack:
         # prefill, 3000 spins cost ~10% alone against ~30% for no spin (OMP_WAIT_POLICY=PASSIVE)
         # and match it under contention. Role processes inherit it from the raylet this starts.
         os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+        # ... and split the cores by how many of them compute at each forward (epd.core_share).
+        if core_share.ENV not in os.environ:
+            self._core_share_dir = tempfile.mkdtemp(prefix="epd-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                    else None)
+            os.environ[core_share.ENV] = self._core_share_dir
         quiet_ray_output()
         from control.controller import SERVING_LINE, create_controller
 
@@ -181,6 +187,11 @@ class LocalStack:
         if self._redis_dir:
             shutil.rmtree(self._redis_dir, ignore_errors=True)
             self._redis_dir = ""
+        if self._core_share_dir:
+            shutil.rmtree(self._core_share_dir, ignore_errors=True)
+            if os.environ.get(core_share.ENV) == self._core_share_dir:
+                del os.environ[core_share.ENV]
+            self._core_share_dir = ""
         return drained
 
 

@@ -30,7 +30,7 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
 from epd import discovery
-from epd.compute_gate import forward_turn
+from epd.core_share import forward_turn
 from epd.config import DecodeConfig
 from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner

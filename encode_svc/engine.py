@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from epd import checkpoint, errors, imaging, kernels, limits, memory_plan, rpc, video
-from epd.compute_gate import forward_turn
+from epd.core_share import forward_turn
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo

@@ -68,7 +68,8 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
     Ray starts actors with OMP_NUM_THREADS=1, which would leave a role that has the machine's
     cores to itself on one of them. Co-located roles share cores instead; the launcher sets a
     short GOMP_SPINCOUNT for them so idle OpenMP threads soon sleep rather than spin on a core
-    another role needs, or each role gets cores of its own (``cpus``).
+    another role needs, and a core share (``epd.core_share``: each forward's team is the cores
+    divided by the roles computing then), or each role gets cores of its own (``cpus``).
     """
     import os
 
@@ -87,6 +88,10 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
                 pass  # a thread that ended meanwhile
     count = num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(count)
+    if not num_threads and not cpus:  # every core, shared with the co-located roles: split them by who computes
+        from epd import core_share
+
+        core_share.enable(count)
     return count
 
 

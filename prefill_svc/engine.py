@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd import discovery, errors, limits, positions
-from epd.compute_gate import forward_turn
+from epd.core_share import forward_turn
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer

@@ -1,0 +1,75 @@
+"""The core share of co-located roles (epd.core_share): a forward's thread team is the cores
+divided by the roles computing at that moment, told by real flocks of real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from epd import core_share
+
+HOLDER = """
+import os, sys, time
+os.environ["EPD_CORE_SHARE"] = sys.argv[1]
+from epd import core_share
+share = core_share.enable(4)
+with share.forward() as threads:
+    print(threads, flush=True)
+    time.sleep(600)
+"""
+
+
+def _holder(directory: str, threads: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, directory], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.stdout.readline().strip() == str(threads)  # its share, counting the holders before it
+    return proc
+
+
+def test_a_forward_gets_the_cores_divided_by_the_roles_computing(tmp_path, monkeypatch):
+    directory = str(tmp_path / "share")
+    before = torch.get_num_threads()
+    share = core_share.CoreShare(directory, cores=4)
+    first = second = None
+    try:
+        with share.forward() as threads:
+            assert threads == 4 and torch.get_num_threads() == 4  # nobody else computes
+        first = _holder(directory, 4)  # the test process is not computing: every core
+        share._scanned = 0.0  # read the directory again now, not in RESCAN_S
+        with share.forward() as threads:
+            assert threads == 2 and torch.get_num_threads() == 2
+        second = _holder(directory, 2)  # the first one computes
+        share._scanned = 0.0
+        assert share.busy_others() == 2
+        with share.forward() as threads:
+            assert threads == 1
+        os.kill(second.pid, signal.SIGKILL)  # a dead role releases its mark with its descriptor
+        second.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while share.busy_others() != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert share.busy_others() == 1
+        first.terminate()
+        first.wait(timeout=30)
+        assert share.busy_others() == 0
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        share.close()
+        torch.set_num_threads(before)
+    assert not os.path.exists(share.path)
+
+
+def test_without_the_variable_nothing_changes(monkeypatch):
+    monkeypatch.delenv(core_share.ENV, raising=False)
+    assert core_share.enable(2) is None
+    before = torch.get_num_threads()
+    with core_share.forward_turn():
+        assert torch.get_num_threads() == before
