@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--out", required=True, help="directory to write")
     create.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="seed of the random weights")
     create.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    create.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype the weights are stored in; bfloat16 (as Qwen publishes them) needs half the "
+                             "memory and disk (default: float32)")
     create.add_argument("--config-only", action="store_true",
                         help="write config.json, tokenizer and processor config but no weights (any size: for "
                              "memory planning and placement); without it a preset this host's RAM or disk "
@@ -100,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
         "line what this host cannot hold; each role checks its own device again before loading. One replica "
         "of each role needs 8.8 GiB for 2b, 18.4 GiB for 4b with --dtype bfloat16 (17.0 and 35.3 GiB in "
         "float32; docs/ARCHITECTURE.md has every size). Give replicas GPUs with "
-        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A role "
-        "spanning several devices (tensor parallelism) is not yet a serving option."))
+        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A decode "
+        "replica spans several devices or processes with --decode-tensor-parallel N."))
     flags.add_flags(serve, flags.SERVE)
     flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
@@ -506,7 +509,7 @@ def _cmd_model_create(args) -> int:
 
     try:
         path = create_checkpoint(args.preset, out, seed=args.seed, progress=True, overwrite=args.overwrite,
-                                 config_only=args.config_only)
+                                 config_only=args.config_only, dtype=args.dtype)
     except DoesNotFit as error:
         args.parser.error(str(error))
     print(f"wrote {args.preset} {'config (no weights)' if args.config_only else 'checkpoint'} to {path}")

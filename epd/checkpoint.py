@@ -358,21 +358,28 @@ def _generation_config(config: PreTrainedConfig) -> dict:
     }
 
 
-def creation_need(config: PreTrainedConfig, what: str = "a random checkpoint") -> memory_plan.Need:
+CREATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def creation_need(config: PreTrainedConfig, what: str = "a random checkpoint", dtype: str = "float32"
+                  ) -> memory_plan.Need:
     """What creating a random checkpoint of ``config`` holds at once: transformers builds the
-    whole model in float32 (the state dict shares its tensors, the writer streams them), plus
+    whole model in ``dtype`` (the state dict shares its tensors, the writer streams them), plus
     1 GiB for the Python process, torch and the tokenizer."""
     params = memory_plan.count_params(json.loads(config.to_json_string()))
-    return memory_plan.Need(what, "float32", {"weights": params.total * 4, "process": memory_plan.GIB})
+    size = CREATE_DTYPES[dtype].itemsize
+    return memory_plan.Need(what, dtype, {"weights": params.total * size, "process": memory_plan.GIB})
 
 
-def check_can_create(preset: str, out_dir, available_ram: int | None = None, available_disk: int | None = None
-                     ) -> memory_plan.Need:
+def check_can_create(preset: str, out_dir, available_ram: int | None = None, available_disk: int | None = None,
+                     dtype: str = "float32") -> memory_plan.Need:
     """Raise ``DoesNotFit`` (before anything is allocated) when this host's free RAM, or the free
-    disk where ``out_dir`` goes, cannot hold a random checkpoint of ``preset``."""
+    disk where ``out_dir`` goes, cannot hold a random checkpoint of ``preset`` in ``dtype``."""
     what = f"a random {preset} checkpoint"
     hint = "pass --config-only to write its config and tokenizer alone"
-    need = creation_need(config_from_name(preset), what)
+    if dtype == "float32":
+        hint += ", or --dtype bfloat16 to need half"
+    need = creation_need(config_from_name(preset), what, dtype)
     ram = memory_plan.host_available() if available_ram is None else available_ram
     memory_plan.check_fits(need, ram, "this host's RAM", hint)
     if available_disk is None:
@@ -380,7 +387,7 @@ def check_can_create(preset: str, out_dir, available_ram: int | None = None, ava
         while not probe.exists():
             probe = probe.parent
         available_disk = shutil.disk_usage(probe).free
-    weights = memory_plan.Need(what, "float32", {"safetensors files": need.parts["weights"]})
+    weights = memory_plan.Need(what, dtype, {"safetensors files": need.parts["weights"]})
     memory_plan.check_fits(weights, available_disk, f"the disk under {out_dir}", hint)
     return need
 
@@ -394,13 +401,20 @@ def _write_metadata_files(config: PreTrainedConfig, out_dir: pathlib.Path) -> No
 
 
 def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progress: bool,
-                            config_only: bool) -> None:
+                            config_only: bool, dtype: str = "float32") -> None:
     config = config_from_name(preset)
     if config_only:  # config + tokenizer: enough for memory planning and placement, no weights
         _write_metadata_files(config, out_dir)
         return
     torch.manual_seed(seed)
-    model = family_of_config(config).conditional_generation(config).float().eval()
+    # Built in ``dtype`` from the start (the default dtype while the modules are made): a bfloat16
+    # checkpoint never holds a float32 copy, so it needs half the memory.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(CREATE_DTYPES[dtype])
+    try:
+        model = family_of_config(config).conditional_generation(config).to(CREATE_DTYPES[dtype]).eval()
+    finally:
+        torch.set_default_dtype(default)
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop(LM_HEAD, None)  # tied: the embedding is the head
@@ -410,8 +424,9 @@ def _write_checkpoint_files(preset: str, out_dir: pathlib.Path, seed: int, progr
 
 
 def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True,
-                      overwrite: bool = False, config_only: bool = False) -> pathlib.Path:
-    """Create a random-weight checkpoint of ``preset`` in ``out_dir``; returns the path.
+                      overwrite: bool = False, config_only: bool = False, dtype: str = "float32") -> pathlib.Path:
+    """Create a random-weight checkpoint of ``preset`` in ``out_dir``, its weights stored in
+    ``dtype`` (float32, or bfloat16 as Qwen publishes its checkpoints); returns the path.
 
     ``config_only``: write config.json, the tokenizer and the processor config but no weights (a
     checkpoint for memory planning and placement, of any size). Otherwise ``check_can_create``
@@ -424,13 +439,15 @@ def create_checkpoint(preset: str, out_dir, seed: int = 0, progress: bool = True
     out_dir = pathlib.Path(out_dir).resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+    if dtype not in CREATE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CREATE_DTYPES)}, got {dtype!r}")
     if not config_only:
-        check_can_create(preset, out_dir)
+        check_can_create(preset, out_dir, dtype=dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it 0700; a checkpoint should be readable by other users
     try:
-        _write_checkpoint_files(preset, tmp, seed, progress, config_only)
+        _write_checkpoint_files(preset, tmp, seed, progress, config_only, dtype)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -157,3 +157,25 @@ def test_the_roofline_counts_a_moe_tokens_active_experts(tiny_model_dir, tiny_mo
     assert moe.step_weight_bytes(1) == mp.active_bytes_per_token(raw, "float32")  # top_k experts a layer
     assert moe.step_weight_bytes(1) < moe.step_weight_bytes(16) < moe.weight_bytes
     assert moe.active_lm_params < moe.lm_params
+
+
+def test_a_bfloat16_checkpoint_is_created_in_half_the_memory_and_loads(tmp_path):
+    """``--dtype bfloat16``: the need is half the float32 weights (+ 1 GiB), the files hold
+    bfloat16 tensors, and the language model loads from them in float32 and runs."""
+    config = config_from_name("tiny")
+    half, full = creation_need(config, dtype="bfloat16"), creation_need(config)
+    assert half.parts["weights"] * 2 == full.parts["weights"] and half.dtype == "bfloat16"
+    result = epd("model", "create", "--preset", "tiny", "--dtype", "bfloat16", "--out", str(tmp_path / "bf16"),
+                 timeout=120)
+    assert result.returncode == 0, result.stderr
+    from epd import positions
+    from epd.checkpoint import stored_dtype
+    from epd.lm import TextModelRunner
+
+    assert stored_dtype(tmp_path / "bf16") == torch.bfloat16
+    files = sum(p.stat().st_size for p in (tmp_path / "bf16").glob("*.safetensors"))
+    assert files < half.parts["weights"] * 1.01  # two bytes a weight on disk too
+    runner = TextModelRunner.load(str(tmp_path / "bf16"), dtype="float32", prepack=False)
+    pos, _ = positions.mrope_positions(3, [])
+    logits = runner.logits(runner.forward(runner.embed(torch.tensor([1, 2, 3])), pos, runner.new_state()))
+    assert torch.isfinite(logits).all()
