@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp rank {args.rank} %(levelname)s %(message)s")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    # A follower computes in lockstep with rank 0, which sizes the step's threads for the replica
+    # (epd.core_share): it takes no share of its own.
+    os.environ.pop("EPD_CORE_SHARE", None)
     configure_threads(args.num_threads, args.cpus)
     try:
         follow(args.rank, args.world, args.port, args.model, args.dtype, args.prepack)
