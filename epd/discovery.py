@@ -491,6 +491,11 @@ class Balancer:
                                load.queued_tokens, load.prefix_block_size, self._held.get(name, (b"", frozenset()))[1],
                                load.free_kv_tokens, load.num_waiting)
 
+    def block_sizes(self) -> set[int]:
+        """The prefix block sizes the replicas that take work report (0: none told)."""
+        with self._lock:
+            return {e.load.prefix_block_size for e in self._live.values()}
+
     def replicas(self) -> list[routing.Replica]:
         """Every replica that takes work, as a route sees it (status and tests read this)."""
         with self._lock:

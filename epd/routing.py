@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,6 +182,14 @@ class PrefillRoute:
         if not replica.block_size:
             return 0
         return cached_tokens(self._hashes_of(replica.block_size), self.num_tokens, replica.block_size, replica.held)
+
+    def prepare(self, block_sizes: Iterable[int]) -> None:
+        """Compute the prefix keys for each of ``block_sizes`` now (the router calls this in a
+        worker thread for a long prompt: thousands of blocks hashed on its event loop would stall
+        every stream it relays)."""
+        for block_size in block_sizes:
+            if block_size:
+                self._hashes_of(block_size)
 
     def _hashes_of(self, block_size: int) -> Sequence[bytes]:
         hashes = self._hashes.get(block_size)

@@ -45,6 +45,7 @@ from router_svc.text import TextStream
 log = logging.getLogger(__name__)
 
 STAGES = ("tokenize", "encode", "prefill", "decode")
+HASH_ON_LOOP_TOKENS = 4096  # a longer prompt's prefix keys are computed in a worker thread, not on the loop
 MAX_STOP_STRINGS = 16  # every token is checked against each: a long list would stall the router's loop
 MAX_STOP_CHARS = 1000
 MAX_CACHE_SALT_CHARS = 1024
@@ -405,6 +406,8 @@ class RouterCore:
 
     async def _call_prefill(self, run: RouterRequest, job: epd_pb2.PrefillRequest) -> epd_pb2.PrefillResponse:
         route = self._route(job)
+        if route is not None and len(job.token_ids) > HASH_ON_LOOP_TOKENS:  # one sha256 a block: off the loop
+            await asyncio.get_running_loop().run_in_executor(None, route.prepare, self.prefill.balancer.block_sizes())
         reply, address = await self.prefill.call("Prefill", self._attempts(run, job), run.remaining(), busy_next=True,
                                                  route=route)
         self.prefill.balancer.note_stored(address, reply.stored_prefix_keys)  # the next turn may follow at once

@@ -88,6 +88,25 @@ def test_epd_goes_where_the_prefix_is_while_that_replica_is_not_loaded():
     assert balancer.pick(route=least)[0] != "prefill-2"  # blind to the cache: the least busy
 
 
+def test_a_prepared_route_hashes_each_block_size_once_before_the_pick():
+    """``prepare`` (run by the router in a worker thread for a long prompt) computes the keys of
+    every block size the replicas report; the pick then hashes nothing more."""
+    hashes = [bytes([b]) * 32 for b in range(100)]
+    asked = []
+
+    def hashes_for(block_size):
+        asked.append(block_size)
+        return hashes
+
+    balancer = _balancer(4, {"prefill-1": hashes[:50]})
+    route = routing.PrefillRoute(routing.ExpectedTTFT(), 400, hashes_for)
+    assert balancer.block_sizes() == {BLOCK}
+    route.prepare(balancer.block_sizes() | {0})  # 0: a replica that reports no cache
+    assert asked == [BLOCK]
+    name, _ = balancer.pick(route=route)
+    assert name == "prefill-1" and route.chosen.cached_tokens == 50 * BLOCK and asked == [BLOCK]
+
+
 def test_affinity_never_piles_work_onto_one_replica():
     """Every request wants the same hot prefix, held by one replica, and none completes: epd's
     queued work on any replica stays within 1.5x the mean plus the slack; affinity alone piles."""
