@@ -62,6 +62,10 @@ class CoreShare:
         except FileNotFoundError:
             names = set()
         names.discard(self.path)
+        for path in [p for p in names if not _alive(p)]:  # a role Ray restarted under another pid
+            names.discard(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         for path in set(self._others) - names:
             os.close(self._others.pop(path))
         for path in names - set(self._others):
@@ -107,6 +111,17 @@ class CoreShare:
         os.close(self._fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _alive(path: str) -> bool:
+    """Whether the process a ``<pid>.busy`` file is named after still exists."""
+    try:
+        os.kill(int(os.path.basename(path).split(".")[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True  # not ours to judge
+    return True
 
 
 _SHARE: CoreShare | None = None

@@ -54,6 +54,9 @@ def test_a_forward_gets_the_cores_divided_by_the_roles_computing(tmp_path, monke
         while share.busy_others() != 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert share.busy_others() == 1
+        share._scanned = 0.0
+        share.busy_others()
+        assert not os.path.exists(os.path.join(directory, f"{second.pid}.busy"))  # a dead role's file goes
         first.terminate()
         first.wait(timeout=30)
         assert share.busy_others() == 0
