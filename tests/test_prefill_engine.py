@@ -317,7 +317,7 @@ def test_a_cancelled_prompt_leaves_the_queue_and_stop_fails_what_waits(oracle, i
     engine.cancel(running)  # stops at its next chunk edge, long before its ~1500 tokens are done
     with pytest.raises(errors.Cancelled):
         running.done.result(timeout=30)
-    assert engine.num_cancelled == {"queued": 1, "running": 1}
+    assert engine.num_cancelled == {"queued": 1, "running": 1, "handoff": 0}
     waiting.done.result(timeout=30)  # the others are unaffected
     with ThreadPoolExecutor(1) as pool:
         first = engine.submit(engine.prepare(long_case.request()))
