@@ -140,8 +140,9 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def use_for_vision(vision: torch.nn.Module) -> bool:
     """Run ``vision``'s attention through ``vision_attention`` when its weights are on a CPU
-    (True if so); elsewhere it keeps the attention it was built with."""
-    if next(vision.parameters()).device.type != "cpu":
+    and the operator is available (True if so; built here, at start-up, rather than in the first
+    request); otherwise it keeps the attention it was built with."""
+    if next(vision.parameters()).device.type != "cpu" or not available():
         return False
     from transformers import AttentionInterface
 
