@@ -128,4 +128,17 @@ def test_the_vision_tower_with_it_matches_sdpa(tiny_model_dir):
     expected = vision(pixels, grid_thw=grid).pooler_output
     assert kernels_prefill.use_for_vision(vision)
     assert vision.config._attn_implementation == kernels_prefill.ATTENTION
+    assert isinstance(vision.patch_embed.proj, kernels_prefill.PatchProjection)
     torch.testing.assert_close(vision(pixels, grid_thw=grid).pooler_output, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_patch_projection_is_the_convolution(tiny_model_dir, dtype):
+    conv = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype).patch_embed.proj
+    pixels = torch.randn(10, *conv.weight.shape[1:], generator=torch.Generator().manual_seed(3)).to(dtype)
+    ours = kernels_prefill.PatchProjection(conv)(pixels)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), conv(pixels).float(), rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="kernel is its stride"):
+        kernels_prefill.PatchProjection(torch.nn.Conv3d(3, 4, kernel_size=2, stride=1))
