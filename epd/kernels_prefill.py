@@ -138,9 +138,10 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.to(dtype).unsqueeze(0), None
 
 
-def use_for_vision(vision: torch.nn.Module) -> bool:
+def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     """``vision``'s CPU fast paths, when its weights are on a CPU: the patch embedding as one
-    pre-packed linear layer (``PatchProjection``), and its attention through ``vision_attention``
+    pre-packed linear layer (``PatchProjection``; not when ``prepack`` is off, as ``--no-prepack``
+    leaves every linear layer to ``F.linear``), and its attention through ``vision_attention``
     when the operator is available (True if so; built here, at start-up, rather than in the first
     request). Elsewhere it keeps what it was built with."""
     weight = next(vision.parameters())
@@ -149,7 +150,7 @@ def use_for_vision(vision: torch.nn.Module) -> bool:
     from epd import kernels  # the runner's kernels import this module
 
     proj = getattr(getattr(vision, "patch_embed", None), "proj", None)
-    if isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
+    if prepack and isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
         vision.patch_embed.proj = PatchProjection(proj)
     if not available():
         return False
