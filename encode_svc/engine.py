@@ -83,7 +83,7 @@ class EncoderEngine:
         weight = next(self.vision.parameters())
         if config.prepack and kernels.can_prepack(weight.device, weight.dtype):
             kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
-        # on a CPU: the patch embedding as a packed GEMM, the attention through oneDNN (epd/kernels_prefill.py)
+        # on a CPU: the patch embedding as a packed GEMM; in bfloat16 the attention through oneDNN (epd/kernels_prefill.py)
         kernels_prefill.use_for_vision(self.vision, prepack=config.prepack)
         info = ModelInfo.load(serve.model_dir)
         self.settings = info.image_settings(config.max_decoded_pixels)

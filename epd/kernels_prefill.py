@@ -144,9 +144,12 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     """``vision``'s CPU fast paths, when its weights are on a CPU: the patch embedding as one
     pre-packed linear layer (``PatchProjection``; not when ``prepack`` is off, as ``--no-prepack``
-    leaves every linear layer to ``F.linear``), and its attention through ``vision_attention``
-    when the operator is available (True if so; built here, at start-up, rather than in the first
-    request). Elsewhere it keeps what it was built with."""
+    leaves every linear layer to ``F.linear``), and, in bfloat16 or float16, its attention through
+    ``vision_attention`` when the operator is available (True if so; built here, at start-up,
+    rather than in the first request). Elsewhere it keeps what it was built with. float32, the
+    exactness mode, keeps transformers' SDPA: there the two ran within noise of each other on a
+    loaded machine (0.90x and 1.03x in two runs), while in bfloat16 ``vision_attention`` won every
+    run (0.87-0.90x the whole tower; docs/BENCHMARKS.md)."""
     weight = next(vision.parameters())
     if weight.device.type != "cpu":
         return False
@@ -155,7 +158,7 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     proj = getattr(getattr(vision, "patch_embed", None), "proj", None)
     if prepack and isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
         vision.patch_embed.proj = PatchProjection(proj)
-    if not available():
+    if weight.dtype == torch.float32 or not available():
         return False
     from transformers import AttentionInterface
 
