@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     spec.loader.exec_module(before_kernels)
     after_kernels, dtype = lm.kernels, getattr(torch, args.dtype)
     runner = TextModelRunner.load(args.model_dir, dtype=args.dtype)
-    embeds = runner.embed(torch.randint(0, 1000, (PROMPT_TOKENS,)))
+    embeds = runner.embed(torch.randint(0, min(1000, runner.vocab_size), (PROMPT_TOKENS,)))
     pos, _ = positions.mrope_positions(PROMPT_TOKENS, [])
 
     def prefill():

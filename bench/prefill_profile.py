@@ -33,7 +33,7 @@ def best_cpu_seconds(fn, repeats: int) -> float:
 
 
 def prefill_case(runner: TextModelRunner, prompts: int):
-    embeds = runner.embed(torch.randint(0, 1000, (PROMPT_TOKENS,)))
+    embeds = runner.embed(torch.randint(0, min(1000, runner.vocab_size), (PROMPT_TOKENS,)))
     pos, _ = positions.mrope_positions(PROMPT_TOKENS, [])
     return lambda: runner.forward_many([(embeds, pos, runner.new_state()) for _ in range(prompts)])
 

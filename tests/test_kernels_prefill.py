@@ -146,3 +146,19 @@ def test_patch_projection_is_the_convolution(tiny_model_dir, dtype):
     torch.testing.assert_close(ours.float(), conv(pixels).float(), rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="kernel is its stride"):
         kernels_prefill.PatchProjection(torch.nn.Conv3d(3, 4, kernel_size=2, stride=1))
+
+
+def test_the_benchmarks_run_and_report(tiny_model_dir, capsys):
+    import json
+    from pathlib import Path
+
+    from bench import prefill_ab, prefill_profile
+
+    prefill_profile.main([tiny_model_dir, "--dtypes", "float32", "--cases", "prefill1,vision1", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"] for r in report["results"]] == ["prefill1", "vision1"]
+    assert all(r["cpu_s"] > 0 for r in report["results"])
+    prefill_ab.main([tiny_model_dir, "--before", str(Path(__file__).resolve().parent.parent), "--rounds", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for case in ("prefill", "vision"):
+        assert len(report[case]["before_s"]) == len(report[case]["after_s"]) == 1 and report[case]["ratio_of_bests"] > 0
