@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	# torch first, pinned: the CPU wheel, not a multi-gigabyte CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# prefill's oneDNN operator (csrc/prefill_dnnl), compiled once into the user's cache dir
+	$(PY) -c "from epd import kernels_prefill; kernels_prefill.available()"
 	touch $@
 
 $(MODEL)/config.json: | install

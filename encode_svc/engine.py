@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging, kernels, limits, memory_plan, rpc, video
+from epd import checkpoint, errors, imaging, kernels, kernels_prefill, limits, memory_plan, rpc, video
 from epd.core_share import forward_turn
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
@@ -83,6 +83,8 @@ class EncoderEngine:
         weight = next(self.vision.parameters())
         if config.prepack and kernels.can_prepack(weight.device, weight.dtype):
             kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
+        # on a CPU: the patch embedding as a packed GEMM; in bfloat16 the attention through oneDNN (epd/kernels_prefill.py)
+        kernels_prefill.use_for_vision(self.vision, prepack=config.prepack)
         info = ModelInfo.load(serve.model_dir)
         self.settings = info.image_settings(config.max_decoded_pixels)
         self.video_settings = info.video_settings()

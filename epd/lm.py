@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
-from epd import kernels
+from epd import kernels, kernels_prefill
 
 
 @dataclass
@@ -131,6 +131,8 @@ class TextModelRunner:
         runner = cls(model=model, lm_head_weight=lm_head)
         if prepack and kernels.can_prepack(runner.device, runner.dtype):
             runner.prepack_linears()
+        if runner.device.type == "cpu":
+            kernels_prefill.available()  # the chunk kernel's oneDNN operator, built or loaded now, not in a request
         return runner
 
     def prepack_linears(self) -> None:

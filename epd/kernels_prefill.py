@@ -1,0 +1,194 @@
+"""Prefill's and the vision tower's batched matrix products on a CPU, through oneDNN.
+
+On this project's CPUs (AMD EPYC with AVX-512) ATen sends a float32 ``bmm``/``matmul`` to MKL,
+which runs the Gated DeltaNet chunk products (``[heads, 32, 128] @ [heads, 128, 128]``) and the
+vision tower's attention scores at ~95 GFLOP/s on one core; oneDNN, which libtorch already carries,
+runs the same float32 products about 2x faster, bit-identical on every shape the kernels use (a
+test checks it). ATen only routes float32 matmuls to oneDNN when reduced-precision float32 math
+(bf32/tf32) is allowed, which epd never allows; ``csrc/prefill_dnnl/matmul.cpp`` is a ten-line
+operator that calls the same oneDNN entry point in strict float32.
+
+The operator is compiled with ``torch.utils.cpp_extension`` at first use (g++ and ninja; ~15 s,
+once per torch version) into ``$XDG_CACHE_HOME/epd/torch-extensions`` (``~/.cache`` by default).
+If it cannot be built or loaded, or ``EPD_PREFILL_KERNELS=0``, a warning says so once and every
+product falls back to ``torch.matmul``: slower, same results. bfloat16 products stay on ATen,
+which already uses oneDNN for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "prefill_dnnl" / "matmul.cpp"
+_NAME = "epd_prefill_dnnl"
+
+
+def cache_dir() -> Path:
+    """Where the compiled operator lives: per user, per torch version (an ABI boundary)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "epd" / "torch-extensions" / f"{_NAME}-torch{torch.__version__}"
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or find) and load the operator once per process; False, with one warning, when it
+    is switched off or cannot be had. A freshly loaded operator is checked against
+    ``torch.matmul`` on a small product before anything uses it."""
+    if os.environ.get("EPD_PREFILL_KERNELS", "1") == "0":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        log.warning("oneDNN is not available in this torch: prefill products use torch.matmul")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(_NAME, sources=[str(_SOURCE)], build_directory=str(directory),
+                           extra_cflags=["-O2"], is_python_module=False, verbose=False)
+        gen = torch.Generator().manual_seed(0)  # its own: the global generator's sequence stays the caller's
+        a, b = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 7, 3, generator=gen)
+        out = torch.empty(2, 5, 3)
+        torch.ops.epd_prefill.bmm_out(a, b, out, 0.0, 1.0)
+        if not torch.allclose(out, a @ b, rtol=1e-5, atol=1e-5):
+            raise RuntimeError("its self-check disagrees with torch.matmul")
+    except Exception as error:  # noqa: BLE001 - any failure means the torch fallback
+        log.warning("the oneDNN prefill operator is unavailable (%s): prefill products use torch.matmul "
+                    "(slower; the same products to float32 rounding)", str(error).strip().splitlines()[-1] if str(error).strip() else
+                    type(error).__name__)
+        return False
+    return True
+
+
+def _usable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == torch.float32 and b.dtype == torch.float32 and a.device.type == "cpu"
+            and b.device.type == "cpu" and a.dim() >= 3 and a.dim() == b.dim()
+            and a.shape[:-2] == b.shape[:-2] and not torch.is_grad_enabled() and available())
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a [..., M, K]`` and ``b [..., K, N]`` with equal leading dims: oneDNN for
+    float32 on a CPU, ``torch.matmul`` otherwise. Returns a contiguous ``[..., M, N]``."""
+    if not _usable(a, b):
+        return a @ b
+    batch = a.shape[:-2]
+    out = a.new_empty(*batch, a.shape[-2], b.shape[-1])
+    torch.ops.epd_prefill.bmm_out(_flat(a), _flat(b), out.view(-1, *out.shape[-2:]), 0.0, 1.0)
+    return out
+
+
+def addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out += alpha * (a @ b)`` in place (``out`` contiguous in its last two dims' batches):
+    one pass, the sum inside the product. Same result as ``out.add_(a @ b, alpha=alpha)`` for
+    ``alpha`` of +-1 (the product is rounded once, then added)."""
+    if not _usable(a, b) or not out.is_contiguous():
+        return out.add_(a @ b, alpha=alpha)
+    torch.ops.epd_prefill.bmm_out(_flat(a), _flat(b), out.view(-1, *out.shape[-2:]), 1.0, alpha)
+    return out
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[..., M, K]`` -> ``[batch, M, K]``: a view where the leading dims allow it."""
+    return x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])
+
+
+# ---------------------------------------------------------------- the vision tower's attention
+
+ATTENTION = "epd_cpu"  # the name under which transformers' attention interface finds vision_attention
+_SCORE_ELEMENTS = 1 << 21  # one block of attention scores: 8 MiB of float32
+
+
+def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """Non-causal attention of one image's patches, ``query``/``key``/``value`` ``[1, heads, L,
+    dim]`` (any strides) -> ``[1, L, heads, dim]`` in the query's dtype: transformers' attention
+    interface contract (``sdpa_attention_forward``), registered as ``ATTENTION``.
+
+    Scores, softmax and the weighted sum in float32 with the products through oneDNN, a block of
+    query rows at a time (at most ``_SCORE_ELEMENTS`` scores live): for a 448x448 image (784
+    patches, 12 heads of 64) 13-14 ms a layer against the fused SDPA kernel's 20-23 on this CPU
+    at a low load (bfloat16's fused kernel also accumulates in float32); under heavy load the
+    float32 case tied, so ``use_for_vision`` uses it in bfloat16 only. Anything else (a mask, dropout, a
+    device other than a CPU, no oneDNN operator) goes to transformers' SDPA function unchanged."""
+    if (attention_mask is not None or dropout or query.device.type != "cpu" or torch.is_grad_enabled()
+            or not available()):  # without oneDNN's products the fused kernel is the faster one
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    dtype = query.dtype
+    # [heads, L, dim] float32, contiguous (oneDNN reads the strided views of the qkv split slowly)
+    key, value = (t[0].to(torch.float32, memory_format=torch.contiguous_format) for t in (key, value))
+    # scaled here, on [L, dim], rather than the [L, L] scores: one pass less over them (a new
+    # tensor: the caller's query stays as it was)
+    query = query[0].to(torch.float32).mul(scaling).contiguous()
+    heads, length, _ = query.shape
+    out = query.new_empty(length, heads, value.shape[-1])
+    rows = max(1, _SCORE_ELEMENTS // length)
+    key_t = key.transpose(-1, -2)
+    for head in range(heads):
+        for start in range(0, length, rows):
+            part = slice(start, start + rows)
+            scores = matmul(query[head, part].unsqueeze(0), key_t[head].unsqueeze(0))  # [1, rows, L]
+            weights = scores.softmax(dim=-1)
+            out[part, head] = matmul(weights, value[head].unsqueeze(0))[0]
+    return out.to(dtype).unsqueeze(0), None
+
+
+def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
+    """``vision``'s CPU fast paths, when its weights are on a CPU: the patch embedding as one
+    pre-packed linear layer (``PatchProjection``; not when ``prepack`` is off, as ``--no-prepack``
+    leaves every linear layer to ``F.linear``), and, in bfloat16 or float16, its attention through
+    ``vision_attention`` when the operator is available (True if so; built here, at start-up,
+    rather than in the first request). Elsewhere it keeps what it was built with. float32, the
+    exactness mode, keeps transformers' SDPA: there the two ran within noise of each other on a
+    loaded machine (0.90x and 1.03x in two runs), while in bfloat16 ``vision_attention`` won every
+    run (0.87-0.90x the whole tower; docs/BENCHMARKS.md)."""
+    weight = next(vision.parameters())
+    if weight.device.type != "cpu":
+        return False
+    from epd import kernels  # the runner's kernels import this module
+
+    proj = getattr(getattr(vision, "patch_embed", None), "proj", None)
+    if prepack and isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
+        vision.patch_embed.proj = PatchProjection(proj)
+    if weight.dtype == torch.float32 or not available():
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, vision_attention)
+    vision.config._attn_implementation = ATTENTION
+    return True
+
+
+class PatchProjection(torch.nn.Module):
+    """The patch embedding's ``Conv3d`` whose kernel is its stride (each patch is one output
+    position), as the linear layer it is: ``[N, C, T, P, P] -> [N, D, 1, 1, 1]`` through
+    ``kernels.PackedLinear`` over the flattened patch: for a 448x448 image (784 patches, one
+    thread) 24 -> 4.7 ms in bfloat16 and 61 -> 8.8 ms in float32 against ATen's convolution;
+    float32 results within rounding (a different summation order)."""
+
+    def __init__(self, conv: torch.nn.Conv3d) -> None:
+        super().__init__()
+        from epd import kernels
+
+        if tuple(conv.kernel_size) != tuple(conv.stride) or any(conv.padding) or conv.groups != 1:
+            raise ValueError("PatchProjection needs a convolution whose kernel is its stride")
+        self.out_channels = conv.out_channels
+        self.linear = kernels.PackedLinear(conv.weight.detach().reshape(conv.out_channels, -1), conv.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The packed weight: what ``patch_embed`` reads its input dtype from."""
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.reshape(x.shape[0], -1)).view(x.shape[0], self.out_channels, 1, 1, 1)

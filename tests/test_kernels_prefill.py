@@ -1,0 +1,164 @@
+"""epd/kernels_prefill.py: the oneDNN operator builds here, its float32 products match
+torch.matmul on the shapes and strides the Gated DeltaNet chunk kernel gives it (bit for bit at
+the 0.8b's), the vision
+attention matches transformers' SDPA, and a failed build or a switch falls back to torch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epd import checkpoint, kernels, kernels_prefill
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """``available()`` recomputed for this test and for the ones after it."""
+    kernels_prefill.available.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels_prefill.available.cache_clear()
+
+
+def test_the_operator_builds_and_loads_on_this_machine():
+    # CI's image has g++ and ninja: a build failure here would silently cost the speed-up
+    assert kernels_prefill.available()
+    assert kernels_prefill.cache_dir().is_dir()
+
+
+def _chunked(seed=0, heads=4, chunks=3, chunk=8, dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, heads, chunks, chunk, dim, generator=gen) for _ in range(3)], gen
+
+
+@pytest.mark.parametrize("dims", [(4, 8, 16), (16, 32, 128)])  # tiny; the 0.8b's (heads, chunk, head dim)
+@torch.inference_mode()
+def test_products_match_torch_on_the_chunk_kernels_views(dims):
+    heads, chunk, dim = dims
+    (query, key, value), gen = _chunked(heads=heads, chunk=chunk, dim=dim)
+    key_t = key.transpose(-1, -2)
+    state = torch.randn(1, heads, dim, dim, generator=gen)
+    cases = [(key, key_t), (query, key_t), (key_t[:, :, 1], value[:, :, 1]), (query[:, :, 2], state),
+             (key.transpose(-1, -2).contiguous().transpose(-1, -2)[:, :, 0], state)]
+    results = []
+    for a, b in cases:
+        ours = kernels_prefill.matmul(a, b)
+        assert ours.is_contiguous()
+        results.append((ours, a @ b))
+    for alpha in (1.0, -1.0):
+        base = value[:, :, 0].contiguous()
+        expected = base.clone().add_(query[:, :, 0] @ state, alpha=alpha)
+        results.append((kernels_prefill.addmm_(base, query[:, :, 0], state, alpha=alpha), expected))
+    for ours, expected in results:
+        if dims == (16, 32, 128):  # measured bit-identical at the 0.8b's shapes (MKL and oneDNN sum alike)
+            assert torch.equal(ours, expected)
+        else:  # a K of 16 sums in another order: float32 rounding
+            torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_other_dtypes_and_shapes_go_to_torch():
+    a, b = torch.randn(3, 5, 7).bfloat16(), torch.randn(3, 7, 2).bfloat16()
+    assert torch.equal(kernels_prefill.matmul(a, b), a @ b)
+    a2, b2 = torch.randn(5, 7), torch.randn(7, 2)  # 2-D: not a batched product
+    assert torch.equal(kernels_prefill.matmul(a2, b2), a2 @ b2)
+
+
+def test_chunk_rule_is_the_same_with_and_without_the_operator(fresh):
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 70, 2, 32, generator=gen), torch.randn(1, 70, 2, 32, generator=gen)
+    v = torch.randn(1, 70, 4, 32, generator=gen)
+    g, beta = -torch.rand(1, 70, 4, generator=gen), torch.rand(1, 70, 4, generator=gen)
+    state = torch.randn(1, 4, 32, 32, generator=gen)
+
+    def run():
+        with torch.inference_mode():
+            return kernels.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32, initial_state=state,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert kernels_prefill.available()
+    with_operator = run()
+    fresh.setenv("EPD_PREFILL_KERNELS", "0")
+    kernels_prefill.available.cache_clear()
+    assert not kernels_prefill.available()
+    without = run()
+    for a, b in zip(with_operator, without):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+
+
+def test_a_failed_build_warns_once_and_falls_back(fresh, tmp_path, caplog):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("#error this operator does not compile\n")
+    fresh.setattr(kernels_prefill, "_SOURCE", bad)
+    fresh.setattr(kernels_prefill, "_NAME", "epd_prefill_broken_test")
+    fresh.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="epd.kernels_prefill"):
+        assert not kernels_prefill.available()
+        assert not kernels_prefill.available()
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "torch.matmul" in warnings[0].getMessage()
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    with torch.inference_mode():
+        assert torch.equal(kernels_prefill.matmul(a, b), a @ b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks", [False, True])
+@torch.inference_mode()
+def test_vision_attention_matches_sdpa(dtype, blocks, monkeypatch):
+    if blocks:  # several blocks of query rows per head, the last one short
+        monkeypatch.setattr(kernels_prefill, "_SCORE_ELEMENTS", 37 * 50)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(50, 3, 3, 16, generator=gen).to(dtype).permute(1, 0, 2, 3)  # as the vision block splits it
+    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in qkv.unbind(0))
+    ours, weights = kernels_prefill.vision_attention(None, query, key, value, None, scaling=0.25)
+    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.25)
+    assert weights is None and ours.dtype == dtype and ours.shape == (1, 50, 3, 16)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), expected.transpose(1, 2), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_vision_tower_with_it_matches_sdpa(tiny_model_dir, dtype):
+    vision = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype)
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: attention stays within each
+    pixels = torch.randn(48, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected = vision(pixels, grid_thw=grid).pooler_output
+    attention = vision.config._attn_implementation
+    # float32 (the exactness mode) keeps transformers' SDPA; the patch embedding is a GEMM in both
+    assert kernels_prefill.use_for_vision(vision) == (dtype != torch.float32)
+    assert vision.config._attn_implementation == (attention if dtype == torch.float32 else kernels_prefill.ATTENTION)
+    assert isinstance(vision.patch_embed.proj, kernels_prefill.PatchProjection)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(vision(pixels, grid_thw=grid).pooler_output, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_patch_projection_is_the_convolution(tiny_model_dir, dtype):
+    conv = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype).patch_embed.proj
+    pixels = torch.randn(10, *conv.weight.shape[1:], generator=torch.Generator().manual_seed(3)).to(dtype)
+    ours = kernels_prefill.PatchProjection(conv)(pixels)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), conv(pixels).float(), rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="kernel is its stride"):
+        kernels_prefill.PatchProjection(torch.nn.Conv3d(3, 4, kernel_size=2, stride=1))
+
+
+def test_the_benchmarks_run_and_report(tiny_model_dir, capsys):
+    import json
+    from pathlib import Path
+
+    from bench import prefill_ab, prefill_profile
+
+    prefill_profile.main([tiny_model_dir, "--dtypes", "float32", "--cases", "prefill1,vision1", "--repeats", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"] for r in report["results"]] == ["prefill1", "vision1"]
+    assert all(r["cpu_s"] > 0 for r in report["results"])
+    prefill_ab.main([tiny_model_dir, "--before", str(Path(__file__).resolve().parent.parent), "--rounds", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for case in ("prefill", "vision"):
+        assert len(report[case]["before_s"]) == len(report[case]["after_s"]) == 1 and report[case]["ratio_of_bests"] > 0
