@@ -104,18 +104,25 @@ def reset() -> None:
         _state.clear()
 
 
-def gdn_decode_step(mixed: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor,
-                    conv_bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-                    dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+def gdn_constants(conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, a_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's weights in the form the op reads them, all float32: the conv taps ``[K,
+    conv_dim]`` (from ``conv_weight [conv_dim, K]``), the bias or None, ``-exp(A_log)`` and
+    ``dt_bias`` (what the torch path computes from them on every step)."""
+    return (conv_weight.t().float().contiguous(), None if conv_bias is None else conv_bias.float().contiguous(),
+            -a_log.float().exp(), dt_bias.float().contiguous())
+
+
+def gdn_decode_step(mixed: torch.Tensor, window: torch.Tensor, constants: tuple[torch.Tensor, ...],
+                    a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
                     state: torch.Tensor, k_heads: int, k_dim: int, v_dim: int, op=None) -> torch.Tensor:
     """One decode token of Gated DeltaNet for ``B`` slots: ``mixed [B, conv_dim]`` (in_proj_qkv's
     output), the time-major conv ``window [B, K, conv_dim]`` and the float32 ``state [B, v_heads,
-    k_dim, v_dim]`` (both updated in place), ``conv_weight [conv_dim, K]``, in_proj_a's and
-    in_proj_b's outputs ``a``/``b`` ``[B, v_heads]``, the gate ``z [B, v_heads * v_dim]`` and the
-    layer's ``A_log``, ``dt_bias``, gated-norm weight and epsilon. Returns the gated-normed core
-    ``[B, v_heads * v_dim]`` in the model dtype (out_proj's input). ``op``: the fused op
-    (default ``ops()``, which must not be None)."""
+    k_dim, v_dim]`` (both updated in place, contiguous), the layer's ``gdn_constants``, in_proj_a's
+    and in_proj_b's outputs ``a``/``b`` ``[B, v_heads]``, the gate ``z [B, v_heads * v_dim]``, the
+    gated norm's weight and epsilon. Returns the gated-normed core ``[B, v_heads * v_dim]`` in the
+    model dtype (out_proj's input). ``op``: the fused op (default ``ops()``, which must not be None)."""
     op = op or ops()
-    return op(mixed.contiguous(), window, conv_weight.contiguous(), conv_bias, a.contiguous(), b.contiguous(),
-              -a_log.float().exp(), dt_bias.float().contiguous(), z.contiguous(), norm_weight.contiguous(),
-              float(norm_eps), state, k_heads, k_dim, v_dim)
+    taps, bias, neg_a_exp, dt_bias = constants
+    return op(mixed.contiguous(), window, taps, bias, a.contiguous(), b.contiguous(), neg_a_exp, dt_bias,
+              z.contiguous(), norm_weight.contiguous(), float(norm_eps), state, k_heads, k_dim, v_dim)

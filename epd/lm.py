@@ -412,10 +412,9 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
     if op is not None:
         flat = x.view(size, -1)
         core = fused.gdn_decode_step(
-            gdn.in_proj_qkv(flat), batch.conv[index][:size], gdn.conv1d.weight[:, 0], gdn.conv1d.bias,
-            gdn.in_proj_a(flat), gdn.in_proj_b(flat), gdn.A_log, gdn.dt_bias, gdn.in_proj_z(flat),
-            gdn.norm.weight, gdn.norm.variance_epsilon, batch.recurrent[index][:size],
-            gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, op=op)
+            gdn.in_proj_qkv(flat), batch.conv[index][:size], _gdn_constants(gdn), gdn.in_proj_a(flat),
+            gdn.in_proj_b(flat), gdn.in_proj_z(flat), gdn.norm.weight, gdn.norm.variance_epsilon,
+            batch.recurrent[index][:size], gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, op=op)
         return gdn.out_proj(core.view(size, 1, -1))
     mixed, z, beta, g = _gdn_inputs(gdn, x)  # mixed [B, 1, conv_dim]
     mixed = kernels.causal_conv1d_step(mixed[:, 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
@@ -439,6 +438,18 @@ def _fused_gdn(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
     if gdn.activation not in ("silu", "swish") or type(gdn.norm) is not qm.Qwen3_5RMSNormGated:
         return None
     return fused.ops()
+
+
+def _gdn_constants(gdn: qm.Qwen3_5GatedDeltaNet) -> tuple[torch.Tensor, ...]:
+    """``fused.gdn_constants`` of the layer, computed once and kept on the module (computed again
+    if one of its weights is replaced or changed in place)."""
+    params = (gdn.conv1d.weight, gdn.conv1d.bias, gdn.A_log, gdn.dt_bias)
+    key = tuple(None if p is None else (p.data_ptr(), p._version) for p in params)
+    cached = gdn.__dict__.get("_epd_fused_constants")
+    if cached is None or cached[0] != key:
+        cached = key, fused.gdn_constants(gdn.conv1d.weight[:, 0], *params[1:])
+        gdn.__dict__["_epd_fused_constants"] = cached
+    return cached[1]
 
 
 def _gdn_chunk(device: torch.device) -> int:
