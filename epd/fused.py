@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 from pathlib import Path
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 ENV = "EPD_FUSED_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "gdn_decode.cpp"
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the loaded op, or None after a failure / when disabled
+_state: dict[str, object] = {}  # "ops": what ops() decided (the op or None); "loaded": the op once loaded
 
 
 def enabled() -> bool:
@@ -66,17 +67,31 @@ def _cpu_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def build(directory: Path | None = None, verbose: bool = False):
+def library_name() -> str:
+    """The build's name: per torch version and CPU (``_cpu_key``)."""
+    return f"epd_gdn_{torch.__version__.replace('+', '_').replace('.', '_')}_{_cpu_key()}"
+
+
+def build(directory: Path | None = None, name: str | None = None, verbose: bool = False):
     """Compile (or load the cached build of) the kernels into ``directory`` (default: under
-    ``cache_dir()``, per torch version and CPU) and return the op. Raises if the build fails."""
+    ``cache_dir()``, one per ``library_name()``) and return the op. Raises if the build fails.
+    A process loads the library once (its op registration cannot be repeated): later calls
+    return the op loaded first."""
     from torch.utils import cpp_extension
 
-    name = f"epd_gdn_{torch.__version__.replace('+', '_').replace('.', '_')}_{_cpu_key()}"
+    if "loaded" in _state:
+        return _state["loaded"]
+    name = name or library_name()
+    compiler = os.environ.get("CXX", "c++")
+    for tool in (compiler, "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool!r} not found (a C++ compiler and ninja build the kernels)")
     directory = Path(directory) if directory is not None else cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
                        extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=verbose)
-    return torch.ops.epd_gdn.decode_step
+    _state["loaded"] = torch.ops.epd_gdn.decode_step
+    return _state["loaded"]
 
 
 def ops():
@@ -91,17 +106,20 @@ def ops():
                 try:
                     op = build()
                 except Exception as error:  # a missing compiler, a failed build: the torch path runs
-                    reason = str(error).strip().splitlines()
+                    lines = str(error).strip().splitlines() or [""]
+                    reason = next((line for line in lines if "error:" in line), lines[-1])
                     log.warning("fused CPU kernels unavailable, using the torch path (%s: %s)",
-                                type(error).__name__, reason[-1] if reason else "")
+                                type(error).__name__, reason.strip())
             _state["ops"] = op
     return _state["ops"]
 
 
 def reset() -> None:
-    """Forget the outcome of the last ``ops()`` (tests: the next call decides again)."""
+    """Forget the outcome of the last ``ops()`` (tests: the next call decides again; a library
+    already loaded stays loaded)."""
     with _lock:
-        _state.clear()
+        _state.pop("ops", None)
+
 
 
 def gdn_constants(conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, a_log: torch.Tensor,
