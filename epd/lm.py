@@ -140,6 +140,13 @@ class TextModelRunner:
         kernels.prepack_linears(self.model)
         self.lm_head = kernels.PackedLinear(self.lm_head_weight)
 
+    def prepare_decode_kernels(self) -> bool:
+        """Build (or load the cached build of) the fused decode-step kernel now rather than in the
+        first decode step (a fresh machine compiles for ~10 s); whether decode steps will use it."""
+        if self.device.type != "cpu" or self.dtype not in FUSED_DTYPES or not fused.enabled():
+            return False
+        return fused.ops() is not None
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
