@@ -449,9 +449,11 @@ def _fused_gdn(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
 
 def _gdn_constants(gdn: qm.Qwen3_5GatedDeltaNet) -> tuple[torch.Tensor, ...]:
     """``fused.gdn_constants`` of the layer, computed once and kept on the module (computed again
-    if one of its weights is replaced or changed in place)."""
+    if one of its weights is replaced, or changed in place outside inference mode)."""
     params = (gdn.conv1d.weight, gdn.conv1d.bias, gdn.A_log, gdn.dt_bias)
-    key = tuple(None if p is None else (p.data_ptr(), p._version) for p in params)
+    # an inference tensor (a shard loaded under inference mode) has no version counter, and
+    # cannot be changed in place outside inference mode either
+    key = tuple(None if p is None else (p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
     cached = gdn.__dict__.get("_epd_fused_constants")
     if cached is None or cached[0] != key:
         cached = key, fused.gdn_constants(gdn.conv1d.weight[:, 0], *params[1:])

@@ -192,3 +192,21 @@ def test_the_op_refuses_inputs_it_does_not_serve(fresh):
                       ("z", torch.randn(batch, heads * dim + 1))]:
         with pytest.raises(RuntimeError, match="epd_gdn|Expected"):
             fused.gdn_decode_step(**{**args, name: bad})
+
+
+def test_layer_constants_follow_the_weights_and_accept_inference_tensors():
+    """The per-layer float32 constants are computed once, again when a weight changes in place or
+    is replaced, and from weights that are inference tensors (a TP shard's, loaded under
+    inference mode: no version counter)."""
+    gdn = _layer(2, 4, 16, 32, torch.float32)
+    first = lm._gdn_constants(gdn)
+    assert lm._gdn_constants(gdn) is first
+    with torch.no_grad():
+        gdn.A_log.add_(1.0)
+    second = lm._gdn_constants(gdn)
+    assert second is not first and torch.equal(second[2], -gdn.A_log.detach().float().exp())
+    with torch.inference_mode():
+        shard = _layer(2, 4, 16, 32, torch.float32)
+        gdn.conv1d.weight = torch.nn.Parameter(torch.randn_like(gdn.conv1d.weight))
+    assert lm._gdn_constants(shard) is lm._gdn_constants(shard)
+    assert torch.equal(lm._gdn_constants(gdn)[0], gdn.conv1d.weight[:, 0].t().float())
