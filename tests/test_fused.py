@@ -210,3 +210,12 @@ def test_layer_constants_follow_the_weights_and_accept_inference_tensors():
         gdn.conv1d.weight = torch.nn.Parameter(torch.randn_like(gdn.conv1d.weight))
     assert lm._gdn_constants(shard) is lm._gdn_constants(shard)
     assert torch.equal(lm._gdn_constants(gdn)[0], gdn.conv1d.weight[:, 0].t().float())
+
+
+@needs_compiler
+def test_the_layer_bench_times_both_paths(fresh, capsys):
+    from bench import gdn_decode
+
+    assert gdn_decode.main(["--batch-sizes", "1,2", "--layers", "2", "--calls", "3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "fused / torch" in line]
+    assert len(lines) == 2 and all("torch path" in line for line in lines)
