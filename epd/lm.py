@@ -417,7 +417,7 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
     size = x.shape[0]
     op = _fused_gdn(gdn, x)
     if op is not None:
-        flat = x.view(size, -1)
+        flat = x.reshape(size, -1)
         core = fused.gdn_decode_step(
             gdn.in_proj_qkv(flat), batch.conv[index][:size], _gdn_constants(gdn), gdn.in_proj_a(flat),
             gdn.in_proj_b(flat), gdn.in_proj_z(flat), gdn.norm.weight, gdn.norm.variance_epsilon,
