@@ -148,6 +148,7 @@ class DecodeServer(rpc.RoleServer):
             runner, make_batch = self._tp.runner, self._tp.make_batch
         else:
             runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
+        runner.prepare_decode_kernels()  # a first build happens here, before this replica registers
         self.engine = DecodeEngine(runner, info.eos_token_ids, config,
                                    grammar_tokenizer=lambda: grammar_tokenizer_for(info), make_batch=make_batch)
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
-from epd import kernels, kernels_prefill
+from epd import fused, kernels, kernels_prefill
 
 
 @dataclass
@@ -141,6 +141,13 @@ class TextModelRunner:
         as a copy: its tied embedding table still needs the dense layout for lookups."""
         kernels.prepack_linears(self.model)
         self.lm_head = kernels.PackedLinear(self.lm_head_weight)
+
+    def prepare_decode_kernels(self) -> bool:
+        """Build (or load the cached build of) the fused decode-step kernel now rather than in the
+        first decode step (a fresh machine compiles for ~10 s); whether decode steps will use it."""
+        if self.device.type != "cpu" or self.dtype not in FUSED_DTYPES or not fused.enabled():
+            return False
+        return fused.ops() is not None
 
     @property
     def num_layers(self) -> int:
@@ -405,8 +412,19 @@ def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.
 
 
 def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
-    """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place."""
+    """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place.
+
+    On a CPU the part between the input projections and out_proj is one fused C++ call
+    (``epd.fused``) where it is built and applies (``_fused_gdn``); otherwise the torch path."""
     size = x.shape[0]
+    op = _fused_gdn(gdn, x)
+    if op is not None:
+        flat = x.reshape(size, -1)
+        core = fused.gdn_decode_step(
+            gdn.in_proj_qkv(flat), batch.conv[index][:size], _gdn_constants(gdn), gdn.in_proj_a(flat),
+            gdn.in_proj_b(flat), gdn.in_proj_z(flat), gdn.norm.weight, gdn.norm.variance_epsilon,
+            batch.recurrent[index][:size], gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, op=op)
+        return gdn.out_proj(core.view(size, 1, -1))
     mixed, z, beta, g = _gdn_inputs(gdn, x)  # mixed [B, 1, conv_dim]
     mixed = kernels.causal_conv1d_step(mixed[:, 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
                                        gdn.conv1d.bias, gdn.activation).unsqueeze(1)
@@ -415,6 +433,34 @@ def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch:
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return gdn.out_proj(core.reshape(size, 1, -1))
 
+
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+"""The dtypes whose decode steps use the fused Gated DeltaNet kernel (float32 too: the parity tests
+pass with it and it agrees with the torch path to float32 rounding, tests/test_fused.py)."""
+
+
+def _fused_gdn(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
+    """The fused decode-step op if it serves this layer and input (a CPU, a dtype of
+    ``FUSED_DTYPES``, SiLU conv and gate activations, transformers' gated norm), else None."""
+    if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or not fused.enabled():
+        return None
+    if gdn.activation not in ("silu", "swish") or type(gdn.norm) is not qm.Qwen3_5RMSNormGated:
+        return None
+    return fused.ops()
+
+
+def _gdn_constants(gdn: qm.Qwen3_5GatedDeltaNet) -> tuple[torch.Tensor, ...]:
+    """``fused.gdn_constants`` of the layer, computed once and kept on the module (computed again
+    if one of its weights is replaced, or changed in place outside inference mode)."""
+    params = (gdn.conv1d.weight, gdn.conv1d.bias, gdn.A_log, gdn.dt_bias)
+    # an inference tensor (a shard loaded under inference mode) has no version counter, and
+    # cannot be changed in place outside inference mode either
+    key = tuple(None if p is None else (p.data_ptr(), 0 if p.is_inference() else p._version) for p in params)
+    cached = gdn.__dict__.get("_epd_fused_constants")
+    if cached is None or cached[0] != key:
+        cached = key, fused.gdn_constants(gdn.conv1d.weight[:, 0], *params[1:])
+        gdn.__dict__["_epd_fused_constants"] = cached
+    return cached[1]
 
 
 def _gdn_chunk(device: torch.device) -> int:

@@ -13,7 +13,7 @@ import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
 from decode_svc.batch import DecodeBatch
-from epd import kernels, positions
+from epd import fused, kernels, positions
 from epd.lm import TextModelRunner
 
 ATOL_FP32 = 1e-4
@@ -228,7 +228,7 @@ def calls(monkeypatch):
     return counts
 
 
-def test_runner_uses_epd_kernels(tiny_model_dir, calls):
+def test_runner_uses_epd_kernels(tiny_model_dir, calls, monkeypatch):
     runner = TextModelRunner.load(tiny_model_dir)
     linear_layers = runner.layer_types.count("linear_attention")
     assert linear_layers > 0
@@ -246,6 +246,7 @@ def test_runner_uses_epd_kernels(tiny_model_dir, calls):
     batch = DecodeBatch(runner)
     for _ in range(2):
         batch.add(state.clone())
+    monkeypatch.setenv(fused.ENV, "0")  # the torch path of a decode step (tests/test_fused.py: the fused op)
     runner.decode_step(batch, [7, 8], [state.num_tokens] * 2)
     assert calls["recurrent_gated_delta_step"] == 2 * linear_layers
     assert calls["causal_conv1d_step"] == linear_layers

@@ -1,0 +1,146 @@
+"""Fused CPU kernels written in C++ (``epd/csrc``), compiled on this machine at first use.
+
+``gdn_decode_step`` is one decode token of a Gated DeltaNet layer for a whole batch (conv step,
+q/k L2 norm, decay and beta, the recurrent state update and read-out, the gated RMSNorm) in one
+call that reads and writes each slot's float32 state once: ``epd/csrc/gdn_decode.cpp`` says
+what it computes and how it rounds. ``epd.lm`` uses it for decode steps on a CPU and keeps its
+torch path (``epd.kernels``) for everything else.
+
+Why C++ and not torch: the torch path is ~30 ops per layer and reads the 1 MiB-per-slot state
+three times (the batched ``[B*H, 2, 128] @ [B*H, 128, 128]`` read runs at a fraction of memory
+bandwidth on these CPUs); vLLM's CPU build does the same step with a fused kernel of its own.
+Nothing on the machine provides one as a library (vLLM's CPU ops come only inside its own
+environment, which pins other torch and transformers versions).
+
+The build: ``torch.utils.cpp_extension.load`` (g++ and ninja, both on the project's machines),
+``-O3 -march=native`` so the compiler vectorises the loops for this CPU; the result is cached
+under ``$XDG_CACHE_HOME/epd/torch_extensions`` (``~/.cache`` by default), one directory per torch
+version and CPU (``-march=native`` code must not be loaded on another CPU), so later processes
+load it in well under a second. ``EPD_FUSED_KERNELS=0`` turns the kernels off (the torch path
+runs); if the compiler is missing or the build fails, one warning is logged and the torch path
+runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "EPD_FUSED_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "gdn_decode.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": what ops() decided (the op or None); "loaded": the op once loaded
+
+
+def enabled() -> bool:
+    """Whether the fused kernels may be used at all (``EPD_FUSED_KERNELS`` is not ``0``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Where builds are kept: ``$XDG_CACHE_HOME/epd/torch_extensions`` (``~/.cache`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "epd" / "torch_extensions"
+
+
+def _cpu_key() -> str:
+    """A short key of the CPU's model and instruction-set flags: code built with -march=native is
+    only loaded on a CPU like the one it was built for."""
+    text = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                text += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def library_name() -> str:
+    """The build's name: per torch version and CPU (``_cpu_key``)."""
+    return f"epd_gdn_{torch.__version__.replace('+', '_').replace('.', '_')}_{_cpu_key()}"
+
+
+def build(directory: Path | None = None, name: str | None = None, verbose: bool = False):
+    """Compile (or load the cached build of) the kernels into ``directory`` (default: under
+    ``cache_dir()``, one per ``library_name()``) and return the op. Raises if the build fails.
+    A process loads the library once (its op registration cannot be repeated): later calls
+    return the op loaded first."""
+    from torch.utils import cpp_extension
+
+    if "loaded" in _state:
+        return _state["loaded"]
+    name = name or library_name()
+    compiler = os.environ.get("CXX", "c++")
+    for tool in (compiler, "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool!r} not found (a C++ compiler and ninja build the kernels)")
+    directory = Path(directory) if directory is not None else cache_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                       extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=verbose)
+    _state["loaded"] = torch.ops.epd_gdn.decode_step
+    return _state["loaded"]
+
+
+def ops():
+    """The fused decode-step op, built at first call; None when turned off or when the build
+    failed (logged once per process, and the callers run their torch path)."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            op = None
+            if enabled():
+                try:
+                    op = build()
+                except Exception as error:  # a missing compiler, a failed build: the torch path runs
+                    lines = str(error).strip().splitlines() or [""]
+                    reason = next((line for line in lines if "error:" in line), lines[-1])
+                    log.warning("fused CPU kernels unavailable, using the torch path (%s: %s)",
+                                type(error).__name__, reason.strip())
+            _state["ops"] = op
+    return _state["ops"]
+
+
+def reset() -> None:
+    """Forget the outcome of the last ``ops()`` (tests: the next call decides again; a library
+    already loaded stays loaded)."""
+    with _lock:
+        _state.pop("ops", None)
+
+
+
+def gdn_constants(conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, a_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's weights in the form the op reads them, all float32: the conv taps ``[K,
+    conv_dim]`` (from ``conv_weight [conv_dim, K]``), the bias or None, ``-exp(A_log)`` and
+    ``dt_bias`` (what the torch path computes from them on every step)."""
+    return (conv_weight.t().float().contiguous(), None if conv_bias is None else conv_bias.float().contiguous(),
+            -a_log.float().exp(), dt_bias.float().contiguous())
+
+
+def gdn_decode_step(mixed: torch.Tensor, window: torch.Tensor, constants: tuple[torch.Tensor, ...],
+                    a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+                    state: torch.Tensor, k_heads: int, k_dim: int, v_dim: int, op=None) -> torch.Tensor:
+    """One decode token of Gated DeltaNet for ``B`` slots: ``mixed [B, conv_dim]`` (in_proj_qkv's
+    output), the time-major conv ``window [B, K, conv_dim]`` and the float32 ``state [B, v_heads,
+    k_dim, v_dim]`` (both updated in place, contiguous), the layer's ``gdn_constants``, in_proj_a's
+    and in_proj_b's outputs ``a``/``b`` ``[B, v_heads]``, the gate ``z [B, v_heads * v_dim]``, the
+    gated norm's weight and epsilon. Returns the gated-normed core ``[B, v_heads * v_dim]`` in the
+    model dtype (out_proj's input). ``op``: the fused op (default ``ops()``, which must not be None)."""
+    op = op or ops()
+    taps, bias, neg_a_exp, dt_bias = constants
+    return op(mixed.contiguous(), window, taps, bias, a.contiguous(), b.contiguous(), neg_a_exp, dt_bias,
+              z.contiguous(), norm_weight.contiguous(), float(norm_eps), state, k_heads, k_dim, v_dim)
