@@ -72,24 +72,32 @@ def library_name() -> str:
     return f"epd_gdn_{torch.__version__.replace('+', '_').replace('.', '_')}_{_cpu_key()}"
 
 
-def build(directory: Path | None = None, name: str | None = None, verbose: bool = False):
-    """Compile (or load the cached build of) the kernels into ``directory`` (default: under
-    ``cache_dir()``, one per ``library_name()``) and return the op. Raises if the build fails.
-    A process loads the library once (its op registration cannot be repeated): later calls
-    return the op loaded first."""
+def compile_library(name: str, source: Path, cflags: list[str], directory: Path | None = None,
+                    verbose: bool = False) -> None:
+    """Compile ``source`` (an operator library registering ``torch.ops`` itself, no Python module)
+    into ``directory`` (default ``cache_dir() / name``) and load it into this process; the cached
+    build is loaded as it is when the source has not changed. Raises when the tools are missing or
+    the build fails. Every C++ operator of epd (``epd/csrc``) is built through here."""
     from torch.utils import cpp_extension
 
-    if "loaded" in _state:
-        return _state["loaded"]
-    name = name or library_name()
     compiler = os.environ.get("CXX", "c++")
     for tool in (compiler, "ninja"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool!r} not found (a C++ compiler and ninja build the kernels)")
     directory = Path(directory) if directory is not None else cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
-                       extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=verbose)
+    cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory), extra_cflags=cflags,
+                       is_python_module=False, verbose=verbose)
+
+
+def build(directory: Path | None = None, name: str | None = None, verbose: bool = False):
+    """Compile (or load the cached build of) the kernels into ``directory`` (default: under
+    ``cache_dir()``, one per ``library_name()``) and return the op. Raises if the build fails.
+    A process loads the library once (its op registration cannot be repeated): later calls
+    return the op loaded first."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    compile_library(name or library_name(), SOURCE, ["-O3", "-march=native"], directory, verbose)
     _state["loaded"] = torch.ops.epd_gdn.decode_step
     return _state["loaded"]
 

@@ -5,11 +5,12 @@ which runs the Gated DeltaNet chunk products (``[heads, 32, 128] @ [heads, 128, 
 vision tower's attention scores at ~95 GFLOP/s on one core; oneDNN, which libtorch already carries,
 runs the same float32 products about 2x faster, bit-identical on every shape the kernels use (a
 test checks it). ATen only routes float32 matmuls to oneDNN when reduced-precision float32 math
-(bf32/tf32) is allowed, which epd never allows; ``csrc/prefill_dnnl/matmul.cpp`` is a ten-line
+(bf32/tf32) is allowed, which epd never allows; ``epd/csrc/prefill_matmul.cpp`` is a ten-line
 operator that calls the same oneDNN entry point in strict float32.
 
 The operator is compiled with ``torch.utils.cpp_extension`` at first use (g++ and ninja; ~15 s,
-once per torch version) into ``$XDG_CACHE_HOME/epd/torch-extensions`` (``~/.cache`` by default).
+once per torch version) by ``epd.fused.compile_library`` into ``$XDG_CACHE_HOME/epd/torch_extensions``
+(``~/.cache`` by default), beside the fused decode kernel.
 If it cannot be built or loaded, or ``EPD_PREFILL_KERNELS=0``, a warning says so once and every
 product falls back to ``torch.matmul``: slower, same results. bfloat16 products stay on ATen,
 which already uses oneDNN for them.
@@ -26,14 +27,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "prefill_dnnl" / "matmul.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "prefill_matmul.cpp"
 _NAME = "epd_prefill_dnnl"
 
 
 def cache_dir() -> Path:
     """Where the compiled operator lives: per user, per torch version (an ABI boundary)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "epd" / "torch-extensions" / f"{_NAME}-torch{torch.__version__}"
+    from epd import fused
+
+    return fused.cache_dir() / f"{_NAME}_{torch.__version__.replace('+', '_').replace('.', '_')}"
 
 
 @functools.cache
@@ -47,12 +49,9 @@ def available() -> bool:
         log.warning("oneDNN is not available in this torch: prefill products use torch.matmul")
         return False
     try:
-        from torch.utils import cpp_extension
+        from epd import fused
 
-        directory = cache_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(_NAME, sources=[str(_SOURCE)], build_directory=str(directory),
-                           extra_cflags=["-O2"], is_python_module=False, verbose=False)
+        fused.compile_library(_NAME, _SOURCE, ["-O2"], cache_dir())
         gen = torch.Generator().manual_seed(0)  # its own: the global generator's sequence stays the caller's
         a, b = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 7, 3, generator=gen)
         out = torch.empty(2, 5, 3)
