@@ -65,7 +65,7 @@ class RouterCore:
         self._flights: SingleFlight[epd_pb2.EncodedImage] = SingleFlight()
         self._counts = {"store_hits": 0, "store_misses": 0, "encoded": 0, "prefix_tokens": 0, "resumes": 0,
                         "retried_prefills": 0, "inline_images": 0, "refused": 0,
-                        "preempted": 0, "routed_cached_tokens": 0}
+                        "preempted": 0, "routed_cached_tokens": 0, "prompt_logprob_tokens": 0}
         # least-load is the balancer's own order (no route): what every other role's calls use
         self._policy = None if config.prefill_routing == "least-load" else routing.make_policy(config.prefill_routing)
         self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
@@ -181,6 +181,7 @@ class RouterCore:
                        [reply.first_logprobs] if sampling.logprobs else [])
         first.chunk.prompt_tokens = len(prompt.token_ids)
         first.chunk.prompt_logprobs.extend(reply.prompt_logprobs)
+        self._count(prompt_logprob_tokens=len(reply.prompt_logprobs))
         if request.return_prompt_token_ids:
             first.chunk.prompt_token_ids.extend(prompt.token_ids)
         yield first
@@ -552,6 +553,9 @@ class RouterCore:
             .add(self._flights.num_joined),
             counter("epd_prefix_cache_hit_tokens_total", "Prompt tokens prefill took from its prefix cache")
             .add(counts["prefix_tokens"]),
+            counter("epd_prompt_logprob_tokens_total", "Prompt tokens whose logprobs prefill computed for this "
+                    "router's requests (prompt_logprobs; once for the n choices of a request)")
+            .add(counts["prompt_logprob_tokens"]),
             counter("epd_prefill_routed_cached_tokens_total", "Prompt tokens the router expected the chosen prefill "
                     "replica's prefix cache to hold (compare epd_prefix_cache_hit_tokens_total)")
             .add(counts["routed_cached_tokens"]),

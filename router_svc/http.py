@@ -1046,6 +1046,8 @@ class _ChatCall:
                  request_id: str) -> None:
         self.front, self.request, self.options, self.id = front, request, options, request_id
         self.created = int(time.time())
+        self._head: bytes | None = None  # the streamed chunks' envelope, once built
+        self.prompt_entries: list = []  # the prompt's TokenLogprobs (1..), from the first choice
 
     async def __call__(self, scope, receive, send) -> None:
         logs.REQUEST_ID.set(self.id)  # every line logged for it names it (the producer task inherits it)
@@ -1076,7 +1078,10 @@ class _ChatCall:
 
     def _requests(self) -> list[epd_pb2.GenerateRequest]:
         """One request per choice (``n``), run concurrently: the same request, except that choice
-        ``i``'s seed is ``seed + i`` when the client gave a seed (without one each draws its own)."""
+        ``i``'s seed is ``seed + i`` when the client gave a seed (without one each draws its own).
+        The prompt's logprobs are the same for every choice: only the first choice asks prefill
+        for them (the others may take the prompt from the prefix cache), and every choice's
+        answer shows the first one's."""
         out = []
         for index in range(self.options.n):
             request = epd_pb2.GenerateRequest()
@@ -1085,6 +1090,7 @@ class _ChatCall:
                 request.sampling.seed = (request.sampling.seed + index) % 2**64
             if index:
                 request.request_id = f"{self.id}-{index}"
+                request.sampling.ClearField("prompt_logprobs")
             out.append(request)
         return out
 
@@ -1174,7 +1180,7 @@ class _ChatCall:
     def _whole_extra(self, results: list[_Collected]) -> dict:
         extra = {"prompt_token_ids": results[0].prompt_token_ids} if self.options.token_ids else {}
         if self.options.prompt_logprobs:  # vLLM's chat: top-level, once for the n choices
-            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(results[0].prompt_logprobs)
+            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(self.prompt_entries)
         return extra
 
     def _opening_choices(self, index: int, state: dict) -> list[dict]:
@@ -1193,6 +1199,16 @@ class _ChatCall:
             choice["token_ids"] = list(chunk.token_ids)
         return choice
 
+    def _delta_json(self, index: int, chunk: epd_pb2.TokenChunk, state: dict, encode=None) -> bytes:
+        """``_delta_choice`` as JSON; the common piece (plain content, no logprobs) straight from a
+        template: what every streamed token of a chat costs the router."""
+        if self.options.logprobs or self.options.tools is not None or self.options.reasoning:
+            return (encode or _json)(self._delta_choice(index, chunk, state))
+        ids = b',"token_ids":[' + ",".join(map(str, chunk.token_ids)).encode() + b"]" if self.options.token_ids \
+            else b""
+        return (b'{"index":%d,"delta":{"content":' % index + _json(chunk.text)
+                + b'},"logprobs":null,"finish_reason":null' + ids + b"}")
+
     def _final_choice(self, index: int, summary, state: dict) -> dict:
         parser = state.get("parser")
         delta = {} if parser is None else _merge(parser.finish())
@@ -1201,14 +1217,21 @@ class _ChatCall:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
                 "stop_reason": _stop_reason(summary)}
 
-    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+    PROMPT_PER_CHOICE = False  # chat: the prompt's token ids and logprobs once, top-level on choice 0's first chunk
+
+    def _chunk_extra(self, index: int, chunk: epd_pb2.TokenChunk) -> dict:
         """Top-level fields of a streamed chunk: vLLM's chat puts prompt_token_ids on the first
-        (prompt_logprobs go there too)."""
-        extra = {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids and chunk.prompt_tokens \
-            else {}
-        if self.options.prompt_logprobs and chunk.prompt_tokens:
-            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(chunk.prompt_logprobs)
+        (prompt_logprobs go there too), once for the n choices."""
+        if index or not chunk.prompt_tokens:
+            return {}
+        extra = {"prompt_token_ids": list(chunk.prompt_token_ids)} if self.options.token_ids else {}
+        if self.options.prompt_logprobs:
+            extra["prompt_logprobs"] = self.front.prompt_logprobs_json(self.prompt_entries)
         return extra
+
+    def _carries_prompt(self, index: int, chunk: epd_pb2.TokenChunk) -> bool:
+        """This piece shows the prompt's logprobs (a large JSON: built off the event loop)."""
+        return self.options.prompt_logprobs and bool(chunk.prompt_tokens) and (self.PROMPT_PER_CHOICE or index == 0)
 
     # ------------------------------------------------------------ the response
 
@@ -1219,12 +1242,39 @@ class _ChatCall:
             self.started = True
             await _send_json(send, *self._error(error))
             return
-        body = {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.front.model_name,
-                "choices": [self._whole_choice(index, got) for index, got in enumerate(results)],
-                "usage": _usage([got.summary for got in results]), "system_fingerprint": None,
-                **self._whole_extra(results)}
+        self.prompt_entries = results[0].prompt_logprobs  # asked of the first choice only, shown for all
+
+        def encode() -> bytes:
+            body = {"id": self.id, "object": self.OBJECT, "created": self.created, "model": self.front.model_name,
+                    "choices": [self._whole_choice(index, got) for index, got in enumerate(results)],
+                    "usage": _usage([got.summary for got in results]), "system_fingerprint": None,
+                    **self._whole_extra(results)}
+            return _json_in_pieces(body) if self.prompt_entries else _json(body)
+
+        # A prompt's logprobs can be 131,072 entries (megabytes of JSON): built on the executor, so the
+        # loop goes on serving every other stream and health probe meanwhile.
+        data = await asyncio.get_running_loop().run_in_executor(None, encode) if self.prompt_entries else encode()
         self.started = True
-        await _send_json(send, 200, body, {"x-request-id": self.id})
+        await _send_body(send, 200, data, {"x-request-id": self.id})
+
+    def _envelope(self) -> bytes:
+        """The start of every streamed chunk of this response (id, object, created, model), built once."""
+        if self._head is None:
+            head = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
+                    "model": self.front.model_name, "system_fingerprint": None}
+            self._head = b"data: " + _json(head)[:-1] + b',"choices":['
+        return self._head
+
+    def _chunk_bytes(self, choices: list[bytes], usage: dict | None = None, encode=None, **extra) -> bytes:
+        """One server-sent event: the envelope, the choices (JSON already), the top-level extras
+        (``encode``: how, ``_json`` by default)."""
+        encode = encode or _json
+        tail = b"]"
+        if extra:
+            tail += b"," + encode(extra)[1:-1]
+        if self.options.include_usage:
+            tail += b',"usage":' + _json(usage)
+        return self._envelope() + b",".join(choices) + tail + b"}\n\n"
 
     async def _start_stream(self, send, num_choices: int, usage: dict | None = None) -> None:
         """The stream's status line, headers and each choice's opening chunk, flushed now."""
@@ -1233,16 +1283,10 @@ class _ChatCall:
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"), (b"x-request-id", self.id.encode())]})
         self._states = [{} for _ in range(num_choices)]
-        for index, state in enumerate(self._states):
-            for choice in self._opening_choices(index, state):
-                await self._emit(send, [choice], usage)
-
-    async def _emit(self, send, choices: list, usage: dict | None = None, **extra) -> None:
-        chunk = {"id": self.id, "object": self.CHUNK_OBJECT, "created": self.created,
-                 "model": self.front.model_name, "choices": choices, "system_fingerprint": None, **extra}
-        if self.options.include_usage:
-            chunk["usage"] = usage
-        await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+        opening = [self._chunk_bytes([_json(choice)], usage) for index, state in enumerate(self._states)
+                   for choice in self._opening_choices(index, state)]
+        if opening:
+            await send({"type": "http.response.body", "body": b"".join(opening), "more_body": True})
 
     async def _stream(self, send, firsts, streams) -> None:
         options = self.options
@@ -1257,47 +1301,51 @@ class _ChatCall:
             return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion),
                     "total_tokens": prompt_tokens + sum(completion)}
 
-        async def emit(choices: list, usage: dict | None = None, **extra) -> None:
-            await self._emit(send, choices, usage, **extra)
-
         if not self.streaming:  # not flushed ahead (continuous usage stats want the prompt's size first)
             await self._start_stream(send, len(streams), running())
         states = self._states
-        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        # The later choices of a completion show the first one's prompt logprobs: they wait for them.
+        prompt_ready = asyncio.Event() if self.PROMPT_PER_CHOICE and options.prompt_logprobs else None
 
-        async def pump(index: int, event, stream) -> None:
-            try:
-                while event is not None:
-                    await queue.put((index, event, None))
-                    event = await anext(stream, None)
-                await queue.put((index, None, None))
-            except Exception as error:  # noqa: BLE001 - handed to the writer below
-                await queue.put((index, None, error))
+        def piece(index: int, chunk: epd_pb2.TokenChunk, encode=None) -> bytes:
+            return self._chunk_bytes([self._delta_json(index, chunk, states[index], encode)], running(), encode,
+                                     **self._chunk_extra(index, chunk))
 
-        pumps = [asyncio.ensure_future(pump(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts, streams))]
-        summaries, failure, open_streams = [None] * len(streams), None, len(streams)
-        try:
-            while open_streams and failure is None:
-                index, event, error = await queue.get()
-                if event is None:
-                    open_streams -= 1
-                    failure = error
-                elif event.WhichOneof("event") == "summary":
-                    summaries[index] = event.summary
-                    await emit([self._final_choice(index, event.summary, states[index])], running())
-                elif event.chunk.text or event.chunk.token_ids:
-                    completion[index] += len(event.chunk.token_ids)
-                    await emit([self._delta_choice(index, event.chunk, states[index])], running(),
-                               **self._chunk_extra(event.chunk))
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+        summaries, failure = [None] * len(streams), None
+        async with contextlib.aclosing(_merged(firsts, streams, prompt_ready)) as merged:
+            async for batch in merged:
+                out = []  # the events that arrived together leave in one write
+                for index, event, error in batch:
+                    if event is None:
+                        failure = failure or error
+                        if index == 0 and prompt_ready is not None:
+                            prompt_ready.set()
+                    elif event.WhichOneof("event") == "summary":
+                        summaries[index] = event.summary
+                        out.append(self._chunk_bytes([_json(self._final_choice(index, event.summary, states[index]))],
+                                                     running()))
+                    elif event.chunk.text or event.chunk.token_ids:
+                        chunk = event.chunk
+                        completion[index] += len(chunk.token_ids)
+                        if index == 0 and chunk.prompt_tokens:
+                            self.prompt_entries = chunk.prompt_logprobs
+                        if self._carries_prompt(index, chunk):  # megabytes of JSON, maybe: off the loop
+                            out.append(await loop.run_in_executor(None, piece, index, chunk, _json_in_pieces))
+                        else:
+                            out.append(piece(index, chunk))
+                        if index == 0 and prompt_ready is not None:
+                            prompt_ready.set()
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                if failure is not None:
+                    break
         if failure is not None:  # the status line is gone: say it in the stream
             _, body, _ = self._error(failure)
             await send({"type": "http.response.body", "body": _sse(body), "more_body": True})
         elif options.include_usage:
-            await emit([], _usage(summaries))
+            await send({"type": "http.response.body", "body": self._chunk_bytes([], _usage(summaries)),
+                        "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
@@ -1306,17 +1354,24 @@ class _CompletionCall(_ChatCall):
 
     OBJECT = CHUNK_OBJECT = "text_completion"
 
+    PROMPT_PER_CHOICE = True  # each choice carries the prompt's logprobs (the first choice's)
+
     def _logprobs(self, entries, token_ids, offset: int) -> dict:
         """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of these tokens, their
-        text offsets counted from ``offset`` characters into the choice's text."""
-        tokenizer = self.front.core.builder.tokenizer
+        text offsets counted from ``offset`` characters into the choice's text. Each token's
+        ``top_logprobs`` is one ``{text: logprob}`` object holding the sampled token itself, then
+        the best ``logprobs`` alternatives (up to logprobs + 1 entries, as OpenAI's legacy API and
+        vLLM give them; ``logprobs: 0`` gives the sampled token's alone)."""
+        decoded = _Decoded(self.front.core.builder.tokenizer)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in zip(token_ids, entries):
-            text = tokenizer.decode([token_id])
+            text = decoded(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(entry.logprob)
-            out["top_logprobs"].append({tokenizer.decode([alt.token_id]): alt.logprob
-                                        for alt in list(entry.top)[:self.options.logprobs]})
+            top = {text: entry.logprob}
+            for alt in list(entry.top)[:self.options.logprobs]:
+                top.setdefault(decoded(alt.token_id), alt.logprob)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(text)
         return out
@@ -1375,7 +1430,7 @@ class _CompletionCall(_ChatCall):
         choice = self._choice(index, "".join(got.text), got.token_ids, got.logprobs, state, _finish(got.summary),
                               _stop_reason(got.summary))
         choice["text"] = echo + choice["text"]
-        return self._with_prompt(choice, got.prompt_logprobs)
+        return self._with_prompt(choice, self.prompt_entries)
 
     def _whole_extra(self, results: list[_Collected]) -> dict:
         return {}
@@ -1394,12 +1449,15 @@ class _CompletionCall(_ChatCall):
         state["offset"] = state.get("offset", 0) + len(echo)
         choice = self._choice(index, chunk.text, chunk.token_ids, chunk.logprobs, state)
         choice["text"] = echo + choice["text"]
-        return self._with_prompt(choice, chunk.prompt_logprobs)
+        return self._with_prompt(choice, self.prompt_entries)
+
+    def _delta_json(self, index: int, chunk: epd_pb2.TokenChunk, state: dict, encode=None) -> bytes:
+        return (encode or _json)(self._delta_choice(index, chunk, state))
 
     def _final_choice(self, index: int, summary, state: dict) -> dict:
         return self._choice(index, "", [], [], state, _finish(summary), _stop_reason(summary))
 
-    def _chunk_extra(self, chunk: epd_pb2.TokenChunk) -> dict:
+    def _chunk_extra(self, index: int, chunk: epd_pb2.TokenChunk) -> dict:
         return {}
 
 
@@ -1478,13 +1536,82 @@ def _usage(summaries) -> dict | None:
             "prompt_tokens_details": {"cached_tokens": summaries[0].cached_tokens}}
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one, not one per chunk (json.dumps')
+
+
+def _json(obj) -> bytes:
+    return _ENCODER.encode(obj).encode()
+
+
+def _json_in_pieces(obj, depth: int = 4, size: int = 256) -> bytes:
+    """``_json(obj)`` for megabytes of it, off the loop: the C encoder holds the GIL for the whole
+    of one call, so one call over a 131,072-entry list would stall the event loop from any thread.
+    Containers down to ``depth`` are walked, long lists encoded ``size`` items a call."""
+    if depth and isinstance(obj, dict):
+        return b"{" + b",".join(_json(str(key)) + b":" + _json_in_pieces(value, depth - 1, size)
+                                for key, value in obj.items()) + b"}"
+    if depth and isinstance(obj, list):
+        if len(obj) > size:
+            return b"[" + b",".join(_json(obj[i:i + size])[1:-1] for i in range(0, len(obj), size)) + b"]"
+        return b"[" + b",".join(_json_in_pieces(item, depth - 1, size) for item in obj) + b"]"
+    return _json(obj)
+
+
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"
+
+
+async def _merged(firsts: list, streams: list, prompt_ready: asyncio.Event | None = None):
+    """Every choice's events as they come, in batches of ``(index, event, error)`` that arrived
+    together (``event`` None: that choice's stream ended, ``error`` what broke it, if anything).
+    One stream is read directly (no task and queue per token); several through a queue, a reader
+    task each; with ``prompt_ready``, the choices after the first start once it is set."""
+    if len(streams) == 1:
+        event = firsts[0]
+        try:
+            while event is not None:
+                yield [(0, event, None)]
+                event = await anext(streams[0], None)
+        except Exception as error:  # noqa: BLE001 - handed to the writer
+            yield [(0, None, error)]
+            return
+        yield [(0, None, None)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, event, stream) -> None:
+        try:
+            if index and prompt_ready is not None:
+                await prompt_ready.wait()
+            while event is not None:
+                queue.put_nowait((index, event, None))
+                event = await anext(stream, None)
+            queue.put_nowait((index, None, None))
+        except Exception as error:  # noqa: BLE001 - handed to the writer
+            queue.put_nowait((index, None, error))
+
+    pumps = [asyncio.ensure_future(pump(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts, streams))]
+    open_streams = len(streams)
+    try:
+        while open_streams:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            open_streams -= sum(event is None for _, event, _ in batch)
+            yield batch
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
     """A whole JSON response (the caller marks itself started first when it matters)."""
-    data = json.dumps(body, ensure_ascii=False).encode()
+    await _send_body(send, status, json.dumps(body, ensure_ascii=False).encode(), headers)
+
+
+async def _send_body(send, status: int, data: bytes, headers: dict | None = None) -> None:
+    """A whole response of JSON ``data``."""
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -228,3 +228,73 @@ def test_prompt_logprobs_bounds_on_grpc(stack):
         with pytest.raises(grpc.RpcError) as raised:
             client.generate(stack.address, request, timeout_s=60)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in raised.value.details()
+
+
+def test_top_logprobs_hold_the_sampled_token_then_the_best(stack, oracle):
+    """The legacy logprobs object, as OpenAI's API and vLLM give it: one {text: logprob} object per
+    token holding the sampled token itself, then the best ``logprobs`` (up to logprobs + 1 entries;
+    ``logprobs: 0``: the sampled token's alone), streamed and not. Sampled at temperature 1, so the
+    token is often not among the best."""
+    ids = _ids(oracle, PROMPT)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    only = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, logprobs=0, extra_body=extra)
+    lp = only.choices[0].logprobs
+    assert lp.top_logprobs == [{token: logprob} for token, logprob in zip(lp.tokens, lp.token_logprobs)]
+    reply = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=1, temperature=1.0, seed=5,
+                                     extra_body=extra)
+    lp, token_ids = reply.choices[0].logprobs, reply.choices[0].token_ids
+    full = ids + token_ids
+    with torch.no_grad():
+        logits = oracle.model(input_ids=torch.tensor([full]), mm_token_type_ids=torch.zeros(1, len(full), dtype=torch.int)
+                              ).logits[0].float()
+    outside = 0
+    for position, (token, top) in enumerate(zip(lp.tokens, lp.top_logprobs)):
+        best = int(logits[len(ids) - 1 + position].argmax())
+        assert list(top)[0] == token and top[token] == lp.token_logprobs[position]
+        assert oracle.tokenizer.decode([best]) in top and len(top) <= 2
+        outside += token_ids[position] != best
+    assert outside > 0  # some sampled token was not the best: its object held both
+    chunks = list(stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, logprobs=1, temperature=1.0,
+                                           seed=5, stream=True, extra_body=extra))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+    assert [list(top) for top in streamed] == [list(top) for top in lp.top_logprobs]  # the prefix cache: 1e-4
+    assert all(abs(a[k] - b[k]) < 1e-4 for a, b in zip(streamed, lp.top_logprobs) for k in a)
+
+
+def _metric(stack, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{stack.http}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_n_choices_compute_the_prompt_logprobs_once(stack, oracle):
+    """With n > 1 the prompt's logprobs are computed for the first choice only (the router's
+    epd_prompt_logprob_tokens_total grows by the prompt once) and every choice shows them:
+    completions per choice, chat once at the top, streamed and not."""
+    ids = _ids(oracle, PROMPT)
+    extra = {"prompt_logprobs": 2, "ignore_eos": True}
+    before = _metric(stack, "epd_prompt_logprob_tokens_total")
+    reply = stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=3, temperature=1.0, seed=1,
+                                     extra_body=extra)
+    assert _metric(stack, "epd_prompt_logprob_tokens_total") - before == len(ids) - 1
+    lists = [choice.to_dict()["prompt_logprobs"] for choice in reply.choices]
+    assert len(lists[0]) == len(ids) and lists[1] == lists[0] and lists[2] == lists[0]
+    chunks = list(stack.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=3, temperature=1.0, seed=1,
+                                           stream=True, extra_body=extra))
+    assert _metric(stack, "epd_prompt_logprob_tokens_total") - before == 2 * (len(ids) - 1)
+    streamed = {c.choices[0].index: c.choices[0].to_dict()["prompt_logprobs"] for c in chunks
+                if c.choices and "prompt_logprobs" in c.choices[0].to_dict()}
+    assert sorted(streamed) == [0, 1, 2] and all(_close(entries, lists[0]) for entries in streamed.values())
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=3, temperature=1.0,
+                                                extra_body=extra)
+    prompt = chat.to_dict()["prompt_logprobs"]
+    assert len(prompt) == chat.usage.prompt_tokens and len(chat.choices) == 3
+    assert _metric(stack, "epd_prompt_logprob_tokens_total") - before == 2 * (len(ids) - 1) + len(prompt) - 1
+    chunks = list(stack.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=3,
+                                                       temperature=1.0, stream=True, extra_body=extra))
+    carrying = [c.to_dict()["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c.to_dict()]
+    assert len(carrying) == 1 and _close(carrying[0], prompt)
+

@@ -427,3 +427,75 @@ def test_prompt_logprobs_maps_onto_the_request_and_its_bounds_are_named():
             build({"messages": user(), "prompt_logprobs": value})
         assert raised.value.status == 400 and raised.value.message.startswith(message)
         assert raised.value.param == "prompt_logprobs"
+
+
+class _Answers:
+    """A RouterCore's generate and tokenizer, nothing else: the response side of the HTTP front in
+    isolation (the events are the ones the request path yields)."""
+
+    def __init__(self, tokenizer, events: list) -> None:
+        self.builder, self.events = type("Builder", (), {"tokenizer": tokenizer})(), events
+
+    async def generate(self, request, timeout_s, on_accepted=None):
+        if on_accepted is not None:
+            on_accepted()
+        for event in self.events:
+            yield event
+
+
+def test_the_largest_prompt_logprobs_answer_is_encoded_off_the_event_loop(tiny_model_dir):
+    """A prompt_logprobs answer at its bound (131,072 entries, megabytes of JSON) is built on the
+    executor: the loop's longest stall while it is answered is a small part of the answer's time,
+    so other streams and health probes go on being served. Whole and streamed."""
+    from transformers import AutoTokenizer
+
+    from epd import limits
+    from epd.v1 import epd_pb2
+    from router_svc.http import CompletionOptions, _CompletionCall
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    num_top = limits.MAX_PROMPT_LOGPROBS
+    num = limits.MAX_PROMPT_LOGPROB_ENTRIES // (num_top + 1)
+    entries = [epd_pb2.TokenLogprobs(token_id=(7 * p) % 600, logprob=-1.5, rank=3, top=[
+        epd_pb2.TokenLogprob(token_id=(p + k) % 600, logprob=-0.1 * k) for k in range(num_top)]) for p in range(num)]
+    first = epd_pb2.GenerateResponse(chunk=epd_pb2.TokenChunk(token_ids=[5], text="x", prompt_tokens=num + 1,
+                                                               prompt_logprobs=entries))
+    summary = epd_pb2.GenerateResponse(summary=epd_pb2.Summary(prompt_tokens=num + 1, completion_tokens=1,
+                                                               finish_reason="length"))
+    front = HttpFront(_Answers(tokenizer, [first, summary]), HttpConfig(), "tiny", "", lambda: True, RequestStats())
+
+    async def answer(stream: bool) -> tuple[float, float, bytes]:
+        options = CompletionOptions(stream=stream, prompt_logprobs=True, prompt_token_ids=list(range(num + 1)))
+        call = _CompletionCall(front, epd_pb2.GenerateRequest(), options, "cmpl-1")
+        sent: list[bytes] = []
+        gaps, done = [0.0], asyncio.Event()
+
+        async def send(message) -> None:
+            sent.append(message.get("body", b""))
+
+        async def receive():
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def ticker() -> None:  # what every other stream and probe on this loop sees
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.002)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticking = asyncio.ensure_future(ticker())
+        start = time.perf_counter()
+        await call({"type": "http"}, receive, send)
+        took = time.perf_counter() - start
+        done.set()
+        await ticking
+        return max(gaps), took, b"".join(sent)
+
+    for stream in (False, True):
+        stall, took, body = asyncio.run(answer(stream))
+        text = body.decode()
+        start = text.index('"prompt_logprobs":')
+        assert text.count('"decoded_token"') >= num * num_top and start > 0
+        assert stall < took / 3, (stream, stall, took)
