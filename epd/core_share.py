@@ -138,8 +138,9 @@ def enable(cores: int) -> CoreShare | None:
     with _SHARE_LOCK:
         if _SHARE is None:
             _SHARE = CoreShare(directory, cores)
-            log.info("forwards split %d cores with the roles computing beside them on this host (%s)", cores,
-                     directory)
+            # debug: every role says the same, and an operator's log stays short (docs/ARCHITECTURE.md says it)
+            log.debug("forwards split %d cores with the roles computing beside them on this host (%s)", cores,
+                      directory)
         return _SHARE
 
 
