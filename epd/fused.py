@@ -67,9 +67,14 @@ def _cpu_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
+def torch_tag() -> str:
+    """This torch's version as a name part (a build is tied to the torch it was compiled against)."""
+    return torch.__version__.replace("+", "_").replace(".", "_")
+
+
 def library_name() -> str:
     """The build's name: per torch version and CPU (``_cpu_key``)."""
-    return f"epd_gdn_{torch.__version__.replace('+', '_').replace('.', '_')}_{_cpu_key()}"
+    return f"epd_gdn_{torch_tag()}_{_cpu_key()}"
 
 
 def compile_library(name: str, source: Path, cflags: list[str], directory: Path | None = None,

@@ -35,7 +35,7 @@ def cache_dir() -> Path:
     """Where the compiled operator lives: per user, per torch version (an ABI boundary)."""
     from epd import fused
 
-    return fused.cache_dir() / f"{_NAME}_{torch.__version__.replace('+', '_').replace('.', '_')}"
+    return fused.cache_dir() / f"{_NAME}_{fused.torch_tag()}"
 
 
 @functools.cache
