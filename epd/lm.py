@@ -12,6 +12,11 @@ over the weights (projections, MLP and LM head run once for the whole batch) ove
 ``BatchBuffers``: what decode keeps (``decode_svc.batch.DecodeBatch``): paged K/V per full-attention
 layer read through each request's block table, conv and recurrent states stacked per linear layer.
 
+Mixed forwards: ``TextModelRunner.mixed_step`` runs prefill chunks and a decode batch's rows in
+one pass over the weights (every token-wise op over the concatenated rows, the attention and
+Gated DeltaNet cores apart per kind), what an engine with prefill and decode on one device steps
+with; ``forward_many`` and ``decode_step`` are its two one-kind cases, one layer walk for all three.
+
 The same runner serves the mixture-of-experts family (``qwen3_5_moe``): its decoder layers have the
 same attention modules, and ``layer.mlp`` is transformers' sparse MoE block (router, experts run
 grouped by expert, gated shared expert), called on every token of a forward or a decode step at once.
@@ -250,32 +255,8 @@ class TextModelRunner:
         """``forward_many``, and also the final-norm hidden state of every token of the chunks
         numbered in ``every_row``, ``{i: [T_i, hidden]}`` (prompt logprobs need the LM head on
         every prompt row; the other chunks pay for their last row only)."""
-        hidden = self._hidden(chunks)
-        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        rows = {i: self.model.norm(hidden[0, ends[i] - lengths[i]:ends[i]]) for i in every_row}
-        last = torch.tensor(ends, device=self.device) - 1
-        return self.model.norm(hidden[0, last]), rows
-
-    def _hidden(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]]) -> torch.Tensor:
-        """The layers over the chunks' tokens: the last layer's output ``[1, ΣT, hidden]``, before the norm."""
-        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
-        states = [state for _, _, state in chunks]
-        hidden = torch.cat([embeds.to(self.device, self.dtype) for embeds, _, _ in chunks]).unsqueeze(0)  # [1, ΣT, h]
-        positions = torch.cat([pos for _, pos, _ in chunks], dim=1).to(self.device)
-        cos, sin = self.model.rotary_emb(hidden, positions.unsqueeze(1))
-        for index, layer in enumerate(self.model.layers):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            if self.layer_types[index] == "linear_attention":
-                hidden = _linear_attention(layer.linear_attn, hidden, lengths, states, index)
-            else:
-                hidden = _full_attention(layer.self_attn, hidden, cos, sin, lengths, states, index)
-            hidden = residual + hidden
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        for state, length in zip(states, lengths):
-            state.num_tokens += length
-        return hidden
+        out = self.mixed_step(chunks, None, [], [], every_row=every_row)
+        return out.last_hidden, out.rows
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -289,26 +270,100 @@ class TextModelRunner:
         ``token_ids[i]`` is slot i's last token and ``positions[i]`` its position (a text token's
         three M-RoPE components are equal). Returns float32 logits ``[batch, vocab]``.
         """
-        size = len(batch)
-        if size == 0 or len(token_ids) != size or len(positions) != size:
+        if len(batch) == 0:
+            raise ValueError("decode_step needs one token and position per slot (0), got an empty batch")
+        return self.mixed_step([], batch, token_ids, positions).decode_logits
+
+    @torch.inference_mode()
+    def mixed_step(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
+                   token_ids: list[int], positions: list[int], sample_chunks: frozenset[int] = frozenset(),
+                   every_row: frozenset[int] = frozenset()) -> StepOutput:
+        """Prefill chunks and a decode step in one forward: one pass over the weights for both.
+
+        ``chunks`` as ``forward_many`` (each on top of its own state, updated in place); ``batch``
+        with ``token_ids``/``positions`` as ``decode_step`` (every active slot advances one token;
+        ``batch`` may be None or empty, with no tokens). Every token-wise op (embedding rows,
+        norms, every projection, the MLP or MoE block) runs once over the chunks' tokens followed
+        by the decode rows; only the mixing cores run apart: the chunked Gated DeltaNet and prefill
+        attention per chunk, the fused (or recurrent) GDN step and paged decode attention for the
+        batch. The LM head runs once, over the decode rows and the last rows of the chunks named
+        in ``sample_chunks`` (those whose prompt ends there), nothing else."""
+        size = 0 if batch is None else len(batch)
+        if len(token_ids) != size or len(positions) != size:
             raise ValueError(f"decode_step needs one token and position per slot ({size}), "
                              f"got {len(token_ids)} and {len(positions)}")
-        batch.reserve(1)
+        if size == 0 and not chunks:
+            raise ValueError("mixed_step needs a prefill chunk or a decode row")
+        if size:
+            batch.reserve(1)
+        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
+        hidden = self._layers(chunks, batch if size else None, token_ids, positions)  # [1, ΣT + B, hidden]
+        for (_, _, state), length in zip(chunks, lengths):
+            state.num_tokens += length
+        if size:
+            batch.advance()
+        ends = torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()
+        rows = {i: self.model.norm(hidden[0, ends[i] - lengths[i]:ends[i]]) for i in every_row}
+        last = (self.model.norm(hidden[0, torch.tensor([end - 1 for end in ends], dtype=torch.long, device=self.device)])
+                if chunks else hidden.new_empty(0, hidden.shape[-1]))
+        sampled = sorted(sample_chunks)
+        heads = [last[sampled]] if sampled else []
+        if size:
+            heads.append(self.model.norm(hidden[0, sum(lengths):]))
+        # [S + B, vocab]: one LM-head product for every row that samples
+        logits = (self.logits(torch.cat(heads) if len(heads) > 1 else heads[0]) if heads
+                  else torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
+        return StepOutput(last_hidden=last, rows=rows,
+                          chunk_logits={i: logits[k] for k, i in enumerate(sampled)},
+                          decode_logits=logits[len(sampled):])
+
+    def _layers(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
+                token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """The layers over the chunks' tokens then the batch's decode rows: the last layer's output
+        ``[1, ΣT + B, hidden]``, before the norm (states and batch not yet advanced)."""
         device = self.device
-        hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)).unsqueeze(1)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, size, 1).expand(3, size, 1)
-        cos, sin = self.model.rotary_emb(hidden, position_ids)
+        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
+        states = [state for _, _, state in chunks]
+        parts = [embeds.to(device, self.dtype) for embeds, _, _ in chunks]
+        position_parts = [pos.to(device) for _, pos, _ in chunks]
+        if batch is not None:
+            parts.append(self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)))
+            position_parts.append(torch.tensor(positions, dtype=torch.long, device=device).expand(3, -1))
+        hidden = (torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(0)  # [1, N, hidden]
+        position_ids = torch.cat(position_parts, dim=1) if len(position_parts) > 1 else position_parts[0]
+        cos, sin = self.model.rotary_emb(hidden, position_ids.unsqueeze(1))  # [1, N, rotary_dim]
+        mix = _Mix(lengths, states, batch, len(token_ids) if batch is not None else 0)
         for index, layer in enumerate(self.model.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             if self.layer_types[index] == "linear_attention":
-                hidden = _linear_attention_step(layer.linear_attn, hidden, batch, index)
+                hidden = _linear_attention(layer.linear_attn, hidden, mix, index)
             else:
-                hidden = _full_attention_step(layer.self_attn, hidden, cos, sin, batch, index)
+                hidden = _full_attention(layer.self_attn, hidden, cos, sin, mix, index)
             hidden = residual + hidden
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        batch.advance()
-        return self.logits(self.model.norm(hidden[:, 0]))
+        return hidden
+
+
+@dataclass
+class StepOutput:
+    """What ``TextModelRunner.mixed_step`` returns."""
+
+    last_hidden: torch.Tensor  # [num_chunks, hidden]: each chunk's last row, final norm
+    rows: dict[int, torch.Tensor]  # chunk -> [T_i, hidden] every row, final norm (the chunks in every_row)
+    chunk_logits: dict[int, torch.Tensor]  # chunk -> float32 [vocab] of its last row (the chunks in sample_chunks)
+    decode_logits: torch.Tensor  # float32 [batch, vocab], slot order
+
+
+@dataclass
+class _Mix:
+    """Who owns the rows of one mixed forward: the chunks' tokens first (sequence i owns the next
+    ``lengths[i]``, on top of ``states[i]``), then one row per active slot of ``batch``."""
+
+    lengths: list[int]
+    states: list[HybridState]
+    batch: BatchBuffers | None
+    num_decode: int  # the batch's active slots (0 without one)
 
 
 def _attention_inputs(attn: qm.Qwen3_5Attention, x: torch.Tensor):
@@ -323,43 +378,60 @@ def _attention_inputs(attn: qm.Qwen3_5Attention, x: torch.Tensor):
 
 
 def _full_attention(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    lengths: list[int], states: list[HybridState], index: int) -> torch.Tensor:
-    """Gated full attention with partial M-RoPE over several sequences' chunks (``x [1, ΣT, h]``,
-    sequence i owning the next ``lengths[i]`` tokens); appends each chunk's K/V to its state."""
+                    mix: _Mix, index: int) -> torch.Tensor:
+    """Gated full attention with partial M-RoPE over ``x [1, N, hidden]`` (rows as ``mix`` says):
+    prefill attention per chunk (its K/V appended to its state), then one paged decode step for
+    the batch's rows. The projections run once over all N rows."""
     queries, keys, values, gate = _attention_inputs(attn, x)
     outs, start = [], 0
-    for length, state in zip(lengths, states):
+    for length, state in zip(mix.lengths, mix.states):
         part = slice(start, start + length)
         start += length
-        query, key = qm.apply_rotary_pos_emb(queries[:, part].transpose(1, 2), keys[:, part].transpose(1, 2),
-                                             cos[:, part], sin[:, part])
-        value = values[:, part].transpose(1, 2)
-        past_keys, past_values = state.keys[index], state.values[index]
-        if past_keys is not None:
-            key = torch.cat([past_keys, key], dim=2)
-            value = torch.cat([past_values, value], dim=2)
-        state.keys[index], state.values[index] = key, value
-        mask = None
-        if length > 1 and past_keys is not None:
-            # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
-            total = key.shape[2]
-            mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=length > 1 and mask is None,
-                                             scale=attn.scaling, enable_gqa=True)
-        outs.append(out.transpose(1, 2).reshape(1, length, -1))
-    return attn.o_proj(torch.cat(outs, dim=1) * torch.sigmoid(gate))
+        outs.append(_prefill_attention(attn, queries[:, part], keys[:, part], values[:, part], cos[:, part],
+                                       sin[:, part], state, index))
+    if mix.num_decode:
+        rows = slice(start, None)  # one row per slot -> [slots, 1, heads, dim]
+        query, key = qm.apply_rotary_pos_emb(queries[0, rows].unsqueeze(2), keys[0, rows].unsqueeze(2),
+                                             cos[0, rows].unsqueeze(1), sin[0, rows].unsqueeze(1))
+        out = mix.batch.attend(index, query, key, values[0, rows].unsqueeze(2), attn.scaling)
+        outs.append(out.transpose(1, 2).reshape(1, mix.num_decode, -1))
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return attn.o_proj(out * torch.sigmoid(gate))
 
 
-def _gdn_inputs(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
-    """The token-wise part of Gated DeltaNet for ``x [B, L, hidden]``: the conv input ``[B, L,
-    conv_dim]``, the output gate z ``[B, L, v_heads, v_dim]``, beta and the decay g ``[B, L, v_heads]``."""
-    batch, length, _ = x.shape
-    mixed = gdn.in_proj_qkv(x)
-    z = gdn.in_proj_z(x).reshape(batch, length, -1, gdn.head_v_dim)
-    beta = gdn.in_proj_b(x).sigmoid()
+def _prefill_attention(attn: qm.Qwen3_5Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, state: HybridState, index: int) -> torch.Tensor:
+    """One chunk's attention (``[1, T, heads, dim]`` inputs) on top of its state's K/V, which it
+    extends; ``[1, T, heads * dim]``."""
+    length = query.shape[1]
+    query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = value.transpose(1, 2)
+    past_keys, past_values = state.keys[index], state.values[index]
+    if past_keys is not None:
+        key = torch.cat([past_keys, key], dim=2)
+        value = torch.cat([past_values, value], dim=2)
+    state.keys[index], state.values[index] = key, value
+    mask = None
+    if length > 1 and past_keys is not None:
+        # A chunk on top of cached tokens: each new token sees all the past and its own prefix.
+        total = key.shape[2]
+        mask = torch.ones(length, total, dtype=torch.bool, device=query.device).tril(total - length)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=length > 1 and mask is None,
+                                         scale=attn.scaling, enable_gqa=True)
+    return out.transpose(1, 2).reshape(1, length, -1)
+
+
+def _gdn_projections(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
+    """Gated DeltaNet's input projections of ``x [..., hidden]``: the conv input ``[..., conv_dim]``,
+    the output gate z ``[..., v_heads * v_dim]``, and in_proj_a's and in_proj_b's raw outputs
+    ``[..., v_heads]``."""
+    return gdn.in_proj_qkv(x), gdn.in_proj_z(x), gdn.in_proj_a(x), gdn.in_proj_b(x)
+
+
+def _gdn_gates(gdn: qm.Qwen3_5GatedDeltaNet, a: torch.Tensor, b: torch.Tensor):
+    """beta and the decay g from in_proj_a's and in_proj_b's outputs."""
     # float32 here because A may overflow to -inf in half precision (as transformers does).
-    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
-    return mixed, z, beta, g
+    return b.sigmoid(), -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
 
 
 def _split_qkv(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor):
@@ -370,68 +442,76 @@ def _split_qkv(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor):
             value.reshape(batch, length, -1, gdn.head_v_dim))
 
 
-def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, lengths: list[int],
-                      states: list[HybridState], index: int) -> torch.Tensor:
-    """Gated DeltaNet over several sequences' chunks; carries each one's conv window and
-    recurrent state in its own state."""
-    mixed_all, z, beta, g = _gdn_inputs(gdn, x)
+def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, mix: _Mix, index: int) -> torch.Tensor:
+    """Gated DeltaNet over ``x [1, N, hidden]`` (rows as ``mix`` says): the projections and
+    out_proj once over all N rows; the chunked rule per chunk (carrying each one's conv window and
+    recurrent state in its own state), one recurrent step for the batch's rows (its slot buffers
+    updated in place)."""
+    mixed, z, a, b = (t[0] for t in _gdn_projections(gdn, x))  # [N, ...]
     cores, start = [], 0
-    for length, state in zip(lengths, states):
+    for length, state in zip(mix.lengths, mix.states):
         part = slice(start, start + length)
         start += length
-        mixed, state.conv[index] = kernels.causal_conv1d(  # [1, conv_dim, T], a view of time-major memory
-            mixed_all[:, part].transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
-            window=state.conv[index])
-        query, key, value = _split_qkv(gdn, mixed.transpose(1, 2))
-        recurrent = state.recurrent[index]
-        if recurrent is not None and length == 1:
-            # the state may be a caller's snapshot (prefix cache): update a copy, never the original
-            recurrent = recurrent.to(torch.float32, copy=True)
-            core = kernels.recurrent_gated_delta_step(query, key, value, g[:, part], beta[:, part], recurrent)
-        else:
-            core, recurrent = kernels.chunk_gated_delta_rule(
-                query, key, value, g=g[:, part], beta=beta[:, part], chunk_size=_gdn_chunk(x.device),
-                initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        state.recurrent[index] = recurrent
-        cores.append(core)
-    core = torch.cat(cores, dim=1)
+        cores.append(_gdn_prefill_core(gdn, mixed[part], z[part], a[part], b[part], state, index, x.device))
+    if mix.num_decode:
+        rows = slice(start, None)
+        cores.append(_gdn_decode_core(gdn, mixed[rows], z[rows], a[rows], b[rows], mix.batch, index))
+    core = torch.cat(cores) if len(cores) > 1 else cores[0]  # [N, v_heads * v_dim], gated-normed
+    return gdn.out_proj(core.unsqueeze(0))
+
+
+def _gdn_prefill_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
+                      b: torch.Tensor, state: HybridState, index: int, device: torch.device) -> torch.Tensor:
+    """One chunk's conv and gated delta rule (projections ``[T, ...]``) on top of its state;
+    returns the gated-normed core ``[T, v_heads * v_dim]``."""
+    length = mixed.shape[0]
+    beta, g = (t.unsqueeze(0) for t in _gdn_gates(gdn, a, b))  # [1, T, v_heads]
+    conv_out, state.conv[index] = kernels.causal_conv1d(  # [1, conv_dim, T], a view of time-major memory
+        mixed.unsqueeze(0).transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
+        window=state.conv[index])
+    query, key, value = _split_qkv(gdn, conv_out.transpose(1, 2))
+    recurrent = state.recurrent[index]
+    if recurrent is not None and length == 1:
+        # the state may be a caller's snapshot (prefix cache): update a copy, never the original
+        recurrent = recurrent.to(torch.float32, copy=True)
+        core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, recurrent)
+    else:
+        core, recurrent = kernels.chunk_gated_delta_rule(
+            query, key, value, g=g, beta=beta, chunk_size=_gdn_chunk(device),
+            initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state.recurrent[index] = recurrent
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(core.reshape(1, x.shape[1], -1))
+    return core.reshape(length, -1)
 
 
-def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         batch: BatchBuffers, index: int) -> torch.Tensor:
-    """One token per slot: the batch stores its K/V at the slot's length and attends each slot over
-    its own tokens, through its block table."""
-    size = x.shape[0]
-    query, key, value, gate = _attention_inputs(attn, x)
-    query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    out = batch.attend(index, query, key, value.transpose(1, 2), attn.scaling)
-    out = out.transpose(1, 2).reshape(size, 1, -1)
-    return attn.o_proj(out * torch.sigmoid(gate))
+def _gdn_decode_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
+    """One token per slot (projections ``[B, ...]``): conv and recurrent slot states updated in
+    place; returns the gated-normed core ``[B, v_heads * v_dim]``.
+
+    On a CPU this is one fused C++ call (``epd.fused``) where it is built and applies
+    (``_fused_gdn``); otherwise the torch path."""
+    size = mixed.shape[0]
+    op = _fused_gdn(gdn, mixed)
+    if op is not None:
+        return fused.gdn_decode_step(
+            mixed, batch.conv[index][:size], _gdn_constants(gdn), a, b, z, gdn.norm.weight,
+            gdn.norm.variance_epsilon, batch.recurrent[index][:size], gdn.num_k_heads, gdn.head_k_dim,
+            gdn.head_v_dim, op=op)
+    beta, g = (t.unsqueeze(1) for t in _gdn_gates(gdn, a, b))  # [B, 1, v_heads]
+    conv_out = kernels.causal_conv1d_step(mixed, batch.conv[index][:size], gdn.conv1d.weight[:, 0],
+                                          gdn.conv1d.bias, gdn.activation).unsqueeze(1)
+    query, key, value = _split_qkv(gdn, conv_out)
+    core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
+    core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+    return core.reshape(size, -1)
 
 
 def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
-    """One token per slot of Gated DeltaNet; conv and recurrent states are updated in place.
-
-    On a CPU the part between the input projections and out_proj is one fused C++ call
-    (``epd.fused``) where it is built and applies (``_fused_gdn``); otherwise the torch path."""
+    """One token per slot of Gated DeltaNet, ``x [B, 1, hidden]`` -> ``[B, 1, hidden]``; conv and
+    recurrent states are updated in place (one layer's decode step: tests and benchmarks)."""
     size = x.shape[0]
-    op = _fused_gdn(gdn, x)
-    if op is not None:
-        flat = x.reshape(size, -1)
-        core = fused.gdn_decode_step(
-            gdn.in_proj_qkv(flat), batch.conv[index][:size], _gdn_constants(gdn), gdn.in_proj_a(flat),
-            gdn.in_proj_b(flat), gdn.in_proj_z(flat), gdn.norm.weight, gdn.norm.variance_epsilon,
-            batch.recurrent[index][:size], gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, op=op)
-        return gdn.out_proj(core.view(size, 1, -1))
-    mixed, z, beta, g = _gdn_inputs(gdn, x)  # mixed [B, 1, conv_dim]
-    mixed = kernels.causal_conv1d_step(mixed[:, 0], batch.conv[index][:size], gdn.conv1d.weight[:, 0],
-                                       gdn.conv1d.bias, gdn.activation).unsqueeze(1)
-    query, key, value = _split_qkv(gdn, mixed)
-    core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, batch.recurrent[index][:size])
-    core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(core.reshape(size, 1, -1))
+    return _linear_attention(gdn, x.reshape(1, size, -1), _Mix([], [], batch, size), index).reshape(size, 1, -1)
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float32)
