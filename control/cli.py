@@ -891,7 +891,11 @@ def status_lines(status: dict, header: bool = False) -> list[str]:
             now[state] = now.get(state, 0) + 1
         serving = now.pop("serving", 0)
         others = "".join(f", {n} {_NOW.get(state, state.replace('_', ' '))}" for state, n in sorted(now.items()))
-        lines.append(f"{role}: {serving} of {status['desired'][role]} serving{others}")
+        if role == "decode" and status.get("aggregate") and not replicas:
+            lines.append("decode: in the prefill replicas (aggregated: one engine each)")
+            continue
+        aggregated = " (aggregated: decodes too)" if role == "prefill" and status.get("aggregate") else ""
+        lines.append(f"{role}: {serving} of {status['desired'][role]} serving{others}{aggregated}")
         for replica in replicas:
             state = replica["state"] + (", draining" if replica["draining"] else "")
             http = f"  http {replica['http_address']}" if replica.get("http_address") else ""

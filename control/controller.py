@@ -168,7 +168,7 @@ class Controller:
             handles = dict(self._handles)
         wait_s = self.config.status_wait_s
         in_flight = status.work_in_flight(handles, wait_s)
-        kv = status.kv_usage(handles, wait_s)
+        kv = status.kv_usage(handles, wait_s, self.config.aggregate)
         report = status.report(self.config, self.fleet, replicas, registered, self._desired, self.unplaced,
                                in_flight, kv, self.metrics.address, self.failed, self._start_failures.holding,
                                self.autoscaler.decisions)
@@ -192,6 +192,8 @@ class Controller:
         """Set ``role``'s replica count (``epd scale``); returns the count once reached."""
         if role not in ROLES:
             raise ValueError(f"cannot scale {role!r}; roles are {', '.join(ROLES)}")
+        if role == "decode" and self.config.aggregate:
+            raise ValueError("this deployment is aggregated: its prefill replicas decode too; scale prefill")
         if role == "encoder" and self.config.autoscale.enabled:
             raise ValueError("encoders are autoscaled between "
                              f"{self.config.autoscale.min_replicas} and {self.config.autoscale.max_replicas}; "

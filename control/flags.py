@@ -59,6 +59,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--encode-services", "num_encode_services"),
     _flag("--prefill", "num_prefill"),
     _flag("--decode", "num_decode"),
+    _flag("--aggregate", "aggregate"),
     _flag("--routers", "num_routers"),
     _flag("--dtype", "serve.encode.dtype", "serve.prefill.dtype", "serve.decode.dtype",
           help="weights and activations dtype of every model role (vision tower and language model)"),

@@ -33,9 +33,18 @@ ROLE_ACTORS = {
 REPLICA_NAME = re.compile(rf"^({'|'.join(ROLES)})-(\d+)$")
 
 
+AGGREGATE_ACTOR = "pd_svc.server:AggregateServer"
+"""What the prefill role's replicas run as in an aggregated deployment (``DeployConfig.aggregate``):
+prefill and decode in one engine, registered as both."""
+
+
+def actor_class(config: DeployConfig, role: str) -> str:
+    return AGGREGATE_ACTOR if config.aggregate and role == "prefill" else ROLE_ACTORS[role]
+
+
 def create(config: DeployConfig, role: str, name: str, registry, serve: ServeConfig) -> ray.actor.ActorHandle:
     """Start replica ``name`` of ``role`` as a detached Ray actor running with ``serve``."""
-    module, _, cls_name = ROLE_ACTORS[role].partition(":")
+    module, _, cls_name = actor_class(config, role).partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
     # Detached: a replica outlives the controller (serving goes on while it is away). Ray
     # restarts a dead process; callers retry elsewhere, so Ray must not retry tasks on it.

@@ -33,6 +33,7 @@ def report(config: DeployConfig, fleet, replicas: list, registered: dict, desire
             "state": "unplaced" if replica.name in waiting else replica_state(replica)})
     counts = {role: {kind: fleet.count(role, kind) for kind in EVENT_KINDS} for role in ROLES}
     return {"namespace": config.namespace, "time": time.time(), "roles": roles, "desired": dict(desired),
+            "aggregate": config.aggregate,
             "metrics": metrics_address, "events": fleet.recent(100), "counts": counts,
             "failed": failed, "not_replacing": dict(not_replacing),
             "unplaced": list(unplaced),
@@ -70,10 +71,12 @@ def work_in_flight(handles: dict, wait_s: float) -> dict[str, int]:
     return found
 
 
-def kv_usage(handles: dict, wait_s: float) -> dict[str, dict]:
-    """Each decode replica's K/V pool now (``DecodeServer.kv_usage``), asked of all at once;
-    one that does not answer within ``wait_s`` is left out."""
-    refs = {name: handle.kv_usage.remote() for name, handle in handles.items() if name.startswith("decode-")}
+def kv_usage(handles: dict, wait_s: float, aggregate: bool = False) -> dict[str, dict]:
+    """Each decode replica's K/V pool now (``DecodeServer.kv_usage``; with ``aggregate``, each
+    prefill replica's, which decodes too), asked of all at once; one that does not answer within
+    ``wait_s`` is left out."""
+    kinds = ("decode-", "prefill-") if aggregate else ("decode-",)
+    refs = {name: handle.kv_usage.remote() for name, handle in handles.items() if name.startswith(kinds)}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
     found = {}
     for name, ref in refs.items():

@@ -34,6 +34,7 @@ from epd.core_share import forward_turn
 from epd.config import DecodeConfig
 from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner
+from epd.mixed import ChunkSource, PlannedChunks
 from epd.metrics import Family, counter, gauge
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenHistory, sample, stops_on
@@ -43,11 +44,14 @@ log = logging.getLogger(__name__)
 
 class DecodeEngine:
     def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig,
-                 grammar_tokenizer: Callable[[], object] | None = None, make_batch: Callable | None = None) -> None:
+                 grammar_tokenizer: Callable[[], object] | None = None, make_batch: Callable | None = None,
+                 chunk_source: ChunkSource | None = None) -> None:
         """``grammar_tokenizer``: the checkpoint's llguidance tokenizer (``epd.grammar.tokenizer_for``),
         asked for on the first structured-output request; without one those are refused.
         ``make_batch(runner, max_slots, pool)``: the batch's tensors (default ``DecodeBatch``; a
-        tensor-parallel replica passes ``decode_svc.tensor_parallel.TPBatch``'s maker)."""
+        tensor-parallel replica passes ``decode_svc.tensor_parallel.TPBatch``'s maker).
+        ``chunk_source``: prefill work on the same device that rides the steps (``epd.mixed``):
+        each step then runs every decode row and that source's chunks in one forward."""
         self.runner = runner
         self._grammar_tokenizer = grammar_tokenizer
         self.eos_token_ids = eos_token_ids
@@ -69,9 +73,14 @@ class DecodeEngine:
         self.steps = 0
         self.batch_sizes_total = 0  # sum of batch sizes over steps: mean batch = this / steps
         self.largest_batch = 0
+        self.mixed_steps = 0  # steps whose forward carried decode rows and prefill chunks (a chunk source's)
+        self.prefill_rows_total = 0  # prefill tokens this loop's forwards carried (with or without decode rows)
         self.finished: Counter[str] = Counter()  # requests by finish reason
         self._lock = threading.Condition()
         self._stopped = False
+        self._source = chunk_source
+        if chunk_source is not None:
+            chunk_source.attach(self._wake)
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -202,6 +211,10 @@ class DecodeEngine:
             gauge("epd_decode_swap_space_bytes", "Host memory swapped-out states may take (0: replay only)")
             .add(self.scheduler.swap_bytes),
             counter("epd_decode_steps_total", "Batched decode steps").add(self.steps),
+            counter("epd_decode_mixed_steps_total", "Decode steps whose forward also carried prefill chunks "
+                    "(prefill and decode in one engine)").add(self.mixed_steps),
+            counter("epd_decode_riding_prefill_tokens_total", "Prefill tokens this engine's forwards carried "
+                    "(prefill and decode in one engine)").add(self.prefill_rows_total),
             counter("epd_decode_batch_rows_total", "Rows over all decode steps (mean batch = this / steps)")
             .add(self.batch_sizes_total),
             gauge("epd_decode_largest_batch", "The largest batch a step has run").add(self.largest_batch),
@@ -216,24 +229,37 @@ class DecodeEngine:
 
     # ------------------------------------------------------------ the loop thread
 
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopped and not self._prepare_step():
+                while not self._stopped:
+                    ready = self._prepare_step()  # always: it admits and retires between steps
+                    if ready or (self._source is not None and self._source.has_chunks()):
+                        break
                     self._lock.wait(timeout=min(0.5, self.scheduler.next_wake(time.monotonic()) + 0.01))
                 if self._stopped:
                     return
                 members = self.scheduler.running
+            planned = self._source.take_chunks(len(members)) if self._source is not None else None
+            if not members and planned is None:
+                continue
             try:
-                logits = self._forward(members)
-            except Exception:  # noqa: BLE001 - a failed step ends its requests, never the loop
+                logits = self._forward(members, planned)
+            except Exception as error:  # noqa: BLE001 - a failed step ends its requests, never the loop
                 log.exception("decode step failed for a batch of %d", len(members))
+                if planned is not None:
+                    self._source.chunks_ran(planned, None, error)
                 with self._lock:
                     for request in members:
                         self.scheduler.finish(request, FinishReason.ERROR)
                 continue
-            with self._lock:
-                self._publish(members, logits)
+            if members:
+                with self._lock:
+                    self._publish(members, logits)
 
     def _prepare_step(self) -> bool:
         """Under the lock: plan the step and carry the plan out. True when there is a batch to step."""
@@ -262,14 +288,26 @@ class DecodeEngine:
                 continue
             request.state = None  # the batch holds it now
 
-    def _forward(self, members: list[DecodeRequest]) -> torch.Tensor:
+    def _forward(self, members: list[DecodeRequest], planned: PlannedChunks | None = None) -> torch.Tensor:
+        """The step's forward: the decode rows' logits; with ``planned`` (a chunk source's), its
+        chunks ride the same forward and the source gets their results before the rows are published."""
         tokens = [r.last_token for r in members]
         positions_ = [r.position for r in members]
         with forward_turn():
-            logits = self.runner.decode_step(self._batch, tokens, positions_)
-        self.steps += 1
-        self.batch_sizes_total += len(members)
-        self.largest_batch = max(self.largest_batch, len(members))
+            if planned is None:
+                logits = self.runner.decode_step(self._batch, tokens, positions_)
+            else:
+                out = self.runner.mixed_step(planned.chunks, self._batch if members else None, tokens, positions_,
+                                             planned.sample_chunks, planned.every_row)
+                logits = out.decode_logits
+        if planned is not None:
+            self._source.chunks_ran(planned, out, None)
+            self.mixed_steps += bool(members)
+            self.prefill_rows_total += planned.num_tokens
+        if members:
+            self.steps += 1
+            self.batch_sizes_total += len(members)
+            self.largest_batch = max(self.largest_batch, len(members))
         return logits
 
     def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ executor's threads, so streams and health probes are answered while the compute 
 from __future__ import annotations
 
 import asyncio
-import functools
 
 from decode_svc.engine import DecodeEngine
 from decode_svc.scheduler import TokenEvent
@@ -64,29 +63,8 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                                                header.sampling.max_tokens, max(1, header.num_generated))
                     held = header.request_id
             received = await loop.run_in_executor(None, receiver.finish)
-            header = received.header
-            sampling = sampling_from_proto(header.sampling)
-            if sampling.needs_answer and len(header.generated_token_ids) != max(1, header.num_generated):
-                raise ValueError("handoff: the request has a penalty or a grammar but its header lacks "
-                                 "generated_token_ids")
-            grammar = None
-            if sampling.grammar:  # its matcher fed the answer so far (a resumed request's too)
-                grammar = await loop.run_in_executor(None, engine.grammar_state, sampling.grammar,
-                                                     list(header.generated_token_ids))
-            await loop.run_in_executor(None, functools.partial(
-                engine.submit,
-                request_id=header.request_id,
-                prompt_len=header.prompt_len,
-                rope_delta=header.rope_delta,
-                first_token=header.first_token,
-                sampling=sampling,
-                state=received.state,
-                deadline_unix=header.deadline_unix,
-                num_generated=max(1, header.num_generated),
-                history=history_for(sampling, header.prompt_token_set, header.generated_token_ids),
-                log_id=logs.REQUEST_ID.get(),
-                grammar=grammar,
-            ))
+            await loop.run_in_executor(None, submit_handoff, engine, received.header, received.state,
+                                       logs.REQUEST_ID.get())
             held = ""
         finally:
             if held:  # the stream broke or was malformed after its place was held
@@ -116,6 +94,32 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
         finally:
             if not finished:  # the client left (or the server is stopping): free the slot now
                 loop.run_in_executor(None, self.engine.cancel, request.request_id)
+
+
+def submit_handoff(engine: DecodeEngine, header: epd_pb2.HandoffHeader, state, log_id: str = "") -> None:
+    """A handoff whose state has arrived (or, on an aggregated replica, whose prefill ran in this
+    process: the state is the prefill's own, never serialized) joins the engine's queue; its place
+    was held by ``check_handoff``. Blocking (its grammar is compiled here): an executor's thread."""
+    sampling = sampling_from_proto(header.sampling)
+    if sampling.needs_answer and len(header.generated_token_ids) != max(1, header.num_generated):
+        raise ValueError("handoff: the request has a penalty or a grammar but its header lacks "
+                         "generated_token_ids")
+    grammar = None
+    if sampling.grammar:  # its matcher fed the answer so far (a resumed request's too)
+        grammar = engine.grammar_state(sampling.grammar, list(header.generated_token_ids))
+    engine.submit(
+        request_id=header.request_id,
+        prompt_len=header.prompt_len,
+        rope_delta=header.rope_delta,
+        first_token=header.first_token,
+        sampling=sampling,
+        state=state,
+        deadline_unix=header.deadline_unix,
+        num_generated=max(1, header.num_generated),
+        history=history_for(sampling, header.prompt_token_set, header.generated_token_ids),
+        log_id=log_id,
+        grammar=grammar,
+    )
 
 
 def _token_batch(events: list[TokenEvent]) -> epd_pb2.TokenBatch:

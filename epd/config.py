@@ -607,7 +607,13 @@ class DeployConfig:
     num_prefill: int = 1
     """Prefill replicas (the router balances over them)."""
     num_decode: int = 1
-    """Decode replicas (prefill hands each request to the one with the fewest in flight)."""
+    """Decode replicas (prefill hands each request to the one with the fewest in flight); none
+    with ``aggregate``."""
+    aggregate: bool = False
+    """Prefill and decode as one engine per replica (``pd_svc``): each of the ``num_prefill``
+    replicas loads the language model once and runs every step's decode rows and prefill chunks
+    (up to prefill.batch_tokens in all) in one forward; a prompt decodes where it was prefilled.
+    For roles that share one device's cores; separate prefill and decode replicas otherwise."""
     num_routers: int = 1
     """Router replicas (the public entry points)."""
     bind: str = "loopback"
@@ -682,13 +688,21 @@ class DeployConfig:
                    "(--redis redis://HOST:PORT/0)")
         if self.autoscale.enabled:
             _check_range(self.num_encoders, self.autoscale.min_replicas, self.autoscale.max_replicas, "num_encoders")
+        if self.aggregate:
+            _check(self.serve.decode.tensor_parallel == 1, "decode.tensor_parallel",
+                   "an aggregated replica is one process: tensor parallelism is for separate decode replicas")
+            for name in ("dtype", "prepack", "num_threads", "cpus"):
+                prefill, decode = getattr(self.serve.prefill, name), getattr(self.serve.decode, name)
+                _check(prefill == decode, f"prefill.{name}",
+                       f"an aggregated replica runs one model for both: must equal decode.{name} ({decode!r}), "
+                       f"got {prefill!r}")
 
     def role_resources(self, role: str) -> RoleResources:
         return self.resources.get(role, RoleResources())
 
     def replicas(self, role: str) -> int:
         return {"encoder": self.num_encoders, "encode": self.num_encode_services, "prefill": self.num_prefill,
-                "decode": self.num_decode, "router": self.num_routers}[role]
+                "decode": 0 if self.aggregate else self.num_decode, "router": self.num_routers}[role]
 
 
 MODEL_ROLES = ("encoder", "prefill", "decode")

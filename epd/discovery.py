@@ -128,10 +128,16 @@ class Endpoint:
     before prefill); 0: not told."""
     load: Load = Load()
     """Its work and caches as of its last heartbeat."""
+    also_roles: tuple[str, ...] = ()
+    """Roles it serves besides its own: an aggregated prefill replica (``epd serve --aggregate``)
+    is a decode endpoint too, and those watching decode replicas list it."""
 
     @property
     def takes_work(self) -> bool:
         return self.healthy and not self.draining
+
+    def serves(self, role: str) -> bool:
+        return self.role == role or role in self.also_roles
 
 
 @dataclass
@@ -202,7 +208,7 @@ class Registry:
         so a drain waits for it even before it has acknowledged anything."""
         if watcher and watcher not in self._watchers:
             self._watchers[watcher] = _Watcher(role)
-        endpoints = [e for e in self._endpoints.values() if not role or e.role == role]  # a watcher needs its role only
+        endpoints = [e for e in self._endpoints.values() if not role or e.serves(role)]  # a watcher needs its role only
         return View(self.epoch, self._version, endpoints, warming=time.monotonic() - self._started < self._warmup_s)
 
     def poll(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> View | None:
@@ -216,7 +222,7 @@ class Registry:
             self._watchers[watcher] = _Watcher(role)
         if epoch == self.epoch and version == self._version:
             return None
-        return View(self.epoch, self._version, [e for e in self._endpoints.values() if e.role == role],
+        return View(self.epoch, self._version, [e for e in self._endpoints.values() if e.serves(role)],
                     warming=time.monotonic() - self._started < self._warmup_s)
 
     def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
@@ -252,7 +258,8 @@ class Membership:
     MIN_REPORT_S = 0.1
 
     def __init__(self, context: RoleContext, address: str = "", handle: object = None,
-                 http_address: str = "", capacity_tokens: int = 0, load: Callable[[], Load] | None = None) -> None:
+                 http_address: str = "", capacity_tokens: int = 0, load: Callable[[], Load] | None = None,
+                 also_roles: tuple[str, ...] = ()) -> None:
         import ray
 
         self.registry = context.registry
@@ -261,7 +268,7 @@ class Membership:
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
                                  node_id=ray.get_runtime_context().get_node_id(), handle=handle,
                                  incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address,
-                                 capacity_tokens=capacity_tokens)
+                                 capacity_tokens=capacity_tokens, also_roles=also_roles)
         ray.get(self.registry.register.remote(self._current()), timeout=60)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -343,7 +350,7 @@ class RegistryWatch:
         view = ray.get(self.registry.poll.remote(self.watcher, self.role, *self.seen, self.outstanding()), timeout=30)
         if view is None:
             return  # nothing changed; the poll carried the acknowledgement
-        endpoints = [e for e in view.endpoints if e.role == self.role]
+        endpoints = [e for e in view.endpoints if e.serves(self.role)]
         if self.seen[0] and view.epoch != self.seen[0]:  # Ray restarted the registry
             now = time.monotonic()
             self._refill_since = self._refill_since or now

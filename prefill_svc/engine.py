@@ -35,8 +35,9 @@ from epd.core_share import forward_turn
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
-from epd.lm import HybridState, TextModelRunner
+from epd.lm import HybridState, StepOutput, TextModelRunner
 from epd.metrics import Family, counter, gauge
+from epd.mixed import PlannedChunks
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import (PromptLogprob, SamplingConfig, TokenHistory, TokenLogprobs, history_for,
@@ -123,7 +124,11 @@ class HeldBytes:
 
 
 class PrefillEngine:
-    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore, config: PrefillConfig) -> None:
+    def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore, config: PrefillConfig,
+                 own_loop: bool = True) -> None:
+        """``own_loop``: run the forwards on a scheduler thread of its own; without it the engine is
+        an ``epd.mixed.ChunkSource`` whose chunks ride another loop's steps (a decode engine on the
+        same device: ``take_chunks``, ``chunks_ran``)."""
         self.runner = runner
         self.info = info
         self.store = store
@@ -141,8 +146,11 @@ class PrefillEngine:
         self.on_stored: Callable[[], None] | None = None  # called when a prefix snapshot is stored (the server reports it)
         self.busy_s = 0.0  # time in forwards (and the snapshots stored after them) since start
         self.computed_tokens = 0  # prompt tokens those forwards computed (cached prefixes excluded)
-        self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
-        self._thread.start()
+        self._wakers: list[Callable[[], None]] = []  # another loop's wake-up (a ChunkSource's attach)
+        self._thread: threading.Thread | None = None
+        if own_loop:
+            self._thread = threading.Thread(target=self._loop, name="prefill-scheduler", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------ callers (request threads or coroutines)
 
@@ -180,6 +188,8 @@ class PrefillEngine:
             self._jobs[job.progress] = job
             self._scheduler.add(job.progress, time.monotonic())
             self._wake.notify()
+        for wake in self._wakers:  # outside the lock: the other loop takes its own lock, then ours
+            wake()
         return job
 
     def cancel(self, job: PrefillJob) -> None:
@@ -338,29 +348,75 @@ class PrefillEngine:
                     self._wake.wait()
                 if self._stopping:
                     return
-                batch = [(self._jobs[progress], end) for progress, end in self._scheduler.next_batch(time.monotonic())]
-                for job, _ in batch:
-                    if job.started_at is None:
-                        job.started_at = time.perf_counter()  # from here a cancel waits for a chunk edge
-            batch = self._drop_expired(batch)
-            if not batch:
+            planned = self.take_chunks(0)
+            if planned is None:
                 continue
+            with forward_turn():
+                try:
+                    out = self.runner.mixed_step(planned.chunks, None, [], [], every_row=planned.every_row)
+                except Exception as error:  # noqa: BLE001 - a failed forward fails its prompts, never the loop
+                    self.chunks_ran(planned, None, error)
+                    continue
+                self.chunks_ran(planned, out, None)
+
+    # ------------------------------------------------------------ as a ChunkSource (epd.mixed)
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        self._wakers.append(wake)
+
+    def has_chunks(self) -> bool:
+        with self._wake:
+            return bool(self._scheduler) and not self._stopping
+
+    def take_chunks(self, num_decode_rows: int) -> PlannedChunks | None:
+        """The next forward's chunks (``prefill.batch_tokens`` in all, less ``num_decode_rows``
+        when decode rows share the forward), their prompts marked started; expired ones fail here."""
+        with self._wake:
+            if self._stopping or not self._scheduler:
+                return None
+            budget = self.config.batch_tokens - num_decode_rows if num_decode_rows else None
+            batch = [(self._jobs[progress], end)
+                     for progress, end in self._scheduler.next_batch(time.monotonic(), budget)]
+            for job, _ in batch:
+                if job.started_at is None:
+                    job.started_at = time.perf_counter()  # from here a cancel waits for a chunk edge
+        batch = self._drop_expired(batch)
+        if not batch:
+            return None
+        chunks = []
+        for job, end in batch:
+            base = job.cached_tokens
+            lo, hi = job.progress.cursor - base, end - base
+            chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
+        every_row = frozenset(row for row, (job, _) in enumerate(batch) if job.num_prompt_top is not None)
+        ending = frozenset(row for row, (job, end) in enumerate(batch) if end == job.progress.prompt_len)
+        return PlannedChunks(chunks, ending, every_row, ticket=(batch, time.perf_counter()))
+
+    def chunks_ran(self, planned: PlannedChunks, out: StepOutput | None, error: BaseException | None) -> None:
+        """After the forward over ``planned``: prompt logprobs, prefix snapshots, the first token's
+        logits of each prompt that ended; then the prompts move on (or fail with ``error``)."""
+        batch, start = planned.ticket
+        if error is None:
             try:
-                self._run_chunks(batch)
-            except Exception as error:  # noqa: BLE001 - a failed forward fails its prompts, never the loop
-                for job, _ in batch:
-                    self._finish(job, error)
-                continue
-            done = []
-            with self._wake:
-                now = time.monotonic()
-                for job, end in batch:
-                    if not job.cancelled:  # a cancelled one already left the queue
-                        self._scheduler.advance(job.progress, end, now)
-                        if job.progress.done:
-                            done.append(job)
-            for job in done:
-                self._finish(job, None)
+                self._after_forward(batch, planned, out)
+            except Exception as failure:  # noqa: BLE001 - fails its prompts, never the loop
+                error = failure
+        if error is not None:
+            for job, _ in batch:
+                self._finish(job, error)
+            return
+        self.computed_tokens += planned.num_tokens
+        self.busy_s += time.perf_counter() - start
+        done = []
+        with self._wake:
+            now = time.monotonic()
+            for job, end in batch:
+                if not job.cancelled:  # a cancelled one already left the queue
+                    self._scheduler.advance(job.progress, end, now)
+                    if job.progress.done:
+                        done.append(job)
+        for job in done:
+            self._finish(job, None)
 
     def _drop_expired(self, batch: list[tuple[PrefillJob, int]]) -> list[tuple[PrefillJob, int]]:
         keep = []
@@ -371,20 +427,10 @@ class PrefillEngine:
                 keep.append((job, end))
         return keep
 
-    def _run_chunks(self, batch: list[tuple[PrefillJob, int]]) -> None:
-        """One forward over the next chunk of every prompt in ``batch``."""
-        start = time.perf_counter()
-        chunks = []
-        for job, end in batch:
-            base = job.cached_tokens
-            lo, hi = job.progress.cursor - base, end - base
-            chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
-        every_row = frozenset(row for row, (job, _) in enumerate(batch) if job.num_prompt_top is not None)
-        with forward_turn():
-            hidden, rows = self.runner.forward_rows(chunks, every_row)
-            for row in every_row:
-                job, end = batch[row]
-                self._prompt_logprobs(job, rows[row], job.progress.cursor, end)
+    def _after_forward(self, batch: list[tuple[PrefillJob, int]], planned: PlannedChunks, out: StepOutput) -> None:
+        for row in planned.every_row:
+            job, end = batch[row]
+            self._prompt_logprobs(job, out.rows[row], job.progress.cursor, end)
         for row, (job, end) in enumerate(batch):
             if end in job.progress.stops and self.config.prefix_cache_mb:
                 hashes = job.block_hashes[: end // self.prefix.block_size]
@@ -393,9 +439,8 @@ class PrefillEngine:
                     if self.on_stored:
                         self.on_stored()
             if end == job.progress.prompt_len:
-                job.logits = self.runner.logits(hidden[row])
-        self.computed_tokens += sum(chunk[0].shape[0] for chunk in chunks)
-        self.busy_s += time.perf_counter() - start
+                logits = out.chunk_logits.get(row)
+                job.logits = logits if logits is not None else self.runner.logits(out.last_hidden[row])
 
     def work(self) -> dict[str, float]:
         """What this replica has computed since it started: seconds in forwards, prompt tokens."""
@@ -437,7 +482,8 @@ class PrefillEngine:
             self._stopping = True
             self._wake.notify_all()
             waiting = list(self._jobs.values())
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         for job in waiting:
             self._finish(job, errors.Unavailable("prefill is shutting down"))
 

@@ -64,12 +64,14 @@ class PrefillScheduler:
         """Prompt tokens still to compute, over every prompt waiting or part-way through."""
         return sum(p.remaining for p in self._waiting)
 
-    def next_batch(self, now: float = 0.0) -> list[tuple[PromptProgress, int]]:
-        """The chunks of the next forward: (prompt, end of its chunk, exclusive), in run order."""
+    def next_batch(self, now: float = 0.0, budget: int | None = None) -> list[tuple[PromptProgress, int]]:
+        """The chunks of the next forward: (prompt, end of its chunk, exclusive), in run order.
+        ``budget``: prompt tokens this forward has room for, when less than ``batch_tokens`` (an
+        aggregated step's decode rows take their share of it); none at 0."""
         starving = sorted((p for p in self._waiting if now - p.last_ran >= self.max_wait_s), key=lambda p: p.arrival)
         rest = sorted((p for p in self._waiting if now - p.last_ran < self.max_wait_s),
                       key=lambda p: (p.remaining, p.arrival))
-        batch, budget = [], self.batch_tokens
+        batch, budget = [], self.batch_tokens if budget is None else min(budget, self.batch_tokens)
         for progress in starving + rest:
             if budget <= 0:
                 break

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
-from epd import discovery, errors, handoff, memory_plan, routing, rpc
+from epd import discovery, errors, handoff, logs, memory_plan, routing, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
-from epd.lm import TextModelRunner
+from epd.lm import HybridState, TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
@@ -33,10 +34,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: PrefillEngine, decode: discovery.Targets) -> None:
+    def __init__(self, engine: PrefillEngine, decode: discovery.Targets,
+                 local_handoff: Callable[[epd_pb2.HandoffHeader, HybridState, str], str] | None = None) -> None:
+        """``local_handoff(header, state, log_id)``: a decode engine in this process (an aggregated
+        replica) takes the state as it is and returns the address its tokens stream from, or raises
+        ``errors.ResourceExhausted`` when it is full; a handoff goes there first."""
         self.engine = engine
         self._decode = decode  # the decode replicas; each handoff goes to the least busy one
+        self._local_handoff = local_handoff
         self.waits = 0  # pauses because every decode worker's queue was full
+        self.local_handoffs = 0  # handoffs to the decode engine of this process
 
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
@@ -98,6 +105,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         this worker's own budget (``prefill.max_held_mb``) instead of decode's memory."""
         pause = 0.02
         while True:
+            if self._local_handoff is not None:
+                try:  # this process decodes it: no bytes move, its state joins the batch as it is
+                    address = await asyncio.get_running_loop().run_in_executor(
+                        None, self._local_handoff, header, state, logs.REQUEST_ID.get())
+                    self.local_handoffs += 1
+                    return address
+                except errors.ResourceExhausted:
+                    pass  # full here: another decode endpoint (another aggregated replica) may take it
             try:
                 need = header.prompt_len + header.sampling.max_tokens - header.num_generated
                 _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),

@@ -2,6 +2,7 @@
 
 library  epd/                                      imports no role, no control plane, no tools
 roles    encode_svc, prefill_svc, decode_svc, router_svc   import the library, never each other
+         pd_svc (prefill+decode as one engine)     composes prefill_svc and decode_svc; no role imports it
 control  control/                                  imports roles and library (tools: the CLI and demo only)
 tools    bench/                                    imports anything; only the CLI and demo import it
 """
@@ -14,7 +15,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ROLES = {"encode_svc", "prefill_svc", "decode_svc", "router_svc"}
+ROLES = {"encode_svc", "prefill_svc", "decode_svc", "router_svc", "pd_svc"}
+COMPOSED = {"pd_svc": {"prefill_svc", "decode_svc"}}  # a role made of others: it may import those
 PACKAGES = {"epd", "control", "bench", *ROLES}
 
 
@@ -40,7 +42,7 @@ def _allowed(package: str, module: pathlib.Path) -> set[str]:
     if package == "epd":
         return {"epd"}
     if package in ROLES:
-        return {"epd", package}
+        return {"epd", package, *COMPOSED.get(package, ())}
     if package == "control":
         return {"epd", "control", *ROLES} | ({"bench"} if module.name in ("cli.py", "demo.py") else set())
     return set(PACKAGES)  # tools
