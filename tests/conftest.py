@@ -199,11 +199,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def openai_stack(tiny_model_dir, tmp_path_factory):
-    """A stack of its own per test module with the OpenAI-compatible HTTP front on a free port
-    (``server.http``: host:port), answering to ``OPENAI_MODEL``; ``server.openai`` is an
-    ``openai.OpenAI`` client of it (no retries, 120 s timeout)."""
+    """A stack with the OpenAI-compatible HTTP front on a free port (``server.http``: host:port),
+    answering to ``OPENAI_MODEL``; ``server.openai`` is an ``openai.OpenAI`` client of it (no
+    retries, 120 s timeout). One for the session: the modules that use it (completions, choices,
+    logits processing, compat) only send requests, so they share it rather than each paying a
+    stack's ~30 s start."""
     import openai
 
     port = free_port()
