@@ -98,6 +98,64 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])
 
 
+# ---------------------------------------------------------------- the fused chunked gated delta rule
+
+_GDN_SOURCE = Path(__file__).with_name("csrc") / "gdn_chunk.cpp"
+GDN_CHUNK_DTYPES = (torch.bfloat16, torch.float32)
+"""The dtypes whose prefill chunks run the fused rule (float32 too: the parity tests pass with it)."""
+
+
+@functools.cache
+def gdn_chunk_op():
+    """The fused chunked gated delta rule (``epd/csrc/gdn_chunk.cpp``), built (``-O3
+    -march=native``: one build per torch version and CPU, like the decode kernel) or loaded once
+    per process; None, with one warning, when it cannot be had, or None when
+    ``EPD_PREFILL_KERNELS=0``."""
+    if os.environ.get("EPD_PREFILL_KERNELS", "1") == "0":
+        return None
+    from epd import fused
+
+    name = f"epd_gdn_chunk_{fused.torch_tag()}_{fused._cpu_key()}"
+    try:
+        fused.compile_library(name, _GDN_SOURCE, ["-O3", "-march=native"])
+        return torch.ops.epd_gdn_chunk.chunk_rule
+    except Exception as error:  # noqa: BLE001 - any failure means the torch path
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        reason = next((line for line in lines if "error:" in line), lines[-1])
+        log.warning("the fused chunked gated delta rule is unavailable (%s): prefill runs the torch path "
+                    "(slower; the same results to float32 rounding)", reason.strip())
+        return None
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False):
+    """``epd.kernels.chunk_gated_delta_rule`` (same contract, same chunking and algebra) in one
+    fused C++ call on a CPU, for bfloat16 and float32 inputs: ``query``/``key`` ``[B, T, k_heads,
+    k_dim]`` and ``value`` ``[B, T, v_heads, v_dim]`` may be strided views (the conv output's
+    split), ``g``/``beta`` ``[B, T, v_heads]``. Anything else (another device or dtype, autograd,
+    the op unavailable) runs the torch path."""
+    from epd import kernels
+
+    op = None
+    if (query.device.type == "cpu" and value.dtype in GDN_CHUNK_DTYPES and query.dtype == key.dtype == value.dtype
+            and not torch.is_grad_enabled() and query.shape[1] > 0):
+        op = gdn_chunk_op()
+    if op is None:
+        return kernels.chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=chunk_size,
+                                              initial_state=initial_state, output_final_state=output_final_state,
+                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    batch, length, heads, v_dim = value.shape
+    if initial_state is None:
+        state = torch.zeros(batch, heads, key.shape[-1], v_dim, dtype=torch.float32)
+    else:
+        state = initial_state.to(dtype=torch.float32, copy=True)  # the caller's tensor stays as it was
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    beta = beta if beta.dtype in (torch.float32, value.dtype) else beta.float()
+    out = op(q, k, v, g.float(), beta, state, min(chunk_size, length), use_qk_l2norm_in_kernel)
+    return out, state if output_final_state else None
+
+
 # ---------------------------------------------------------------- the vision tower's attention
 
 ATTENTION = "epd_cpu"  # the name under which transformers' attention interface finds vision_attention
