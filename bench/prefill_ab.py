@@ -1,7 +1,8 @@
 """``python -m bench.prefill_ab --before /path/to/other/tree MODEL``: this tree's prefill and vision
 forwards against another tree's, in one process, alternating round by round, one thread's CPU
 time (``time.process_time``) of each. The other tree's ``epd/kernels.py`` is loaded from its path
-and the runner switches between the two modules (the language model's weights are shared); the
+and the runner switches between the two modules (the language model's weights are shared; the
+before side also runs without this tree's fused chunked rule, ``kernels_prefill.gdn_chunk_op``); the
 vision tower is built twice, once as the other tree builds it (pre-packed linears only) and once
 with ``kernels_prefill.use_for_vision``. Alternating in one process is what makes a ratio usable
 on a shared machine: separate processes drift by 10-30% under load."""
@@ -62,14 +63,17 @@ def main(argv: list[str] | None = None) -> None:
              ("vision", "after"): (after_kernels, vision(towers["after"]))}
     seconds = {key: [] for key in cases}
     load_before = os.getloadavg()
+    fused_rule = kernels_prefill.gdn_chunk_op
     for _ in range(args.rounds):
         for key, (module, fn) in cases.items():
             lm.kernels = module
+            # the before side runs as the other tree: without this tree's fused chunk rule
+            kernels_prefill.gdn_chunk_op = (lambda: None) if key[1] == "before" else fused_rule
             fn()  # warm-up: oneDNN primitives for this side's shapes
             start = time.process_time()
             fn()
             seconds[key].append(round(time.process_time() - start, 4))
-    lm.kernels = after_kernels
+    lm.kernels, kernels_prefill.gdn_chunk_op = after_kernels, fused_rule
     report = {"dtype": args.dtype, "prompts": args.prompts, "images": args.images, "load_average_before": load_before,
               "load_average_after": os.getloadavg()}
     for case in ("prefill", "vision"):
