@@ -154,7 +154,11 @@ def test_the_benchmarks_run_and_report(tiny_model_dir, capsys):
     import json
     from pathlib import Path
 
-    from bench import prefill_ab, prefill_profile
+    from bench import gdn_chunk, prefill_ab, prefill_profile
+
+    gdn_chunk.main(["--length", "40", "--heads", "2", "--dim", "16", "--rounds", "1", "--calls", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["ms"]) == {"bfloat16", "float32"} and all(r["ratio"] > 0 for r in report["ms"].values())
 
     prefill_profile.main([tiny_model_dir, "--dtypes", "float32", "--cases", "prefill1,vision1", "--repeats", "1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -252,3 +256,22 @@ def test_the_runner_prefills_through_the_fused_rule_and_agrees_with_the_torch_pa
     expected = runner.forward(embeds, pos, runner.new_state())
     assert not calls
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_vision_mlps_gelu_rides_in_the_packed_first_layer(tiny_model_dir, dtype, fresh):
+    towers = []
+    for switch in ("1", "0"):
+        fresh.setenv("EPD_PREFILL_KERNELS", switch)
+        vision = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype)
+        kernels.prepack_linears(vision)
+        assert kernels_prefill.fuse_mlp_activations(vision) == (len(vision.blocks) if switch == "1" else 0)
+        towers.append(vision)
+    fused_mlp = towers[0].blocks[0].mlp
+    assert isinstance(fused_mlp.linear_fc1, kernels_prefill.PackedLinearGelu)
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ours, plain = (tower(pixels, grid_thw=grid).pooler_output.float() for tower in towers)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours, plain, rtol=tolerance, atol=tolerance)
