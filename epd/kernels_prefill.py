@@ -154,7 +154,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     if initial_state is None:
         state = torch.zeros(batch, heads, key.shape[-1], v_dim, dtype=torch.float32)
     else:
-        state = initial_state.to(dtype=torch.float32, copy=True)  # the caller's tensor stays as it was
+        # a contiguous float32 copy: the caller's tensor stays as it was, whatever its strides
+        state = initial_state.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     beta = beta if beta.dtype in (torch.float32, value.dtype) else beta.float()
     out = op(q, k, v, g.float(), beta, state, min(chunk_size, length), use_qk_l2norm_in_kernel)
