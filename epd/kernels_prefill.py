@@ -1,4 +1,6 @@
-"""Prefill's and the vision tower's batched matrix products on a CPU, through oneDNN.
+"""Prefill's and the vision tower's CPU fast paths: batched matrix products through oneDNN, the
+fused chunked gated delta rule (``chunk_gated_delta_rule``, ``epd/csrc/gdn_chunk.cpp``), the
+vision tower's attention, patch embedding and MLP GELU.
 
 On this project's CPUs (AMD EPYC with AVX-512) ATen sends a float32 ``bmm``/``matmul`` to MKL,
 which runs the Gated DeltaNet chunk products (``[heads, 32, 128] @ [heads, 128, 128]``) and the
@@ -14,6 +16,11 @@ once per torch version) by ``epd.fused.compile_library`` into ``$XDG_CACHE_HOME/
 If it cannot be built or loaded, or ``EPD_PREFILL_KERNELS=0``, a warning says so once and every
 product falls back to ``torch.matmul``: slower, same results. bfloat16 products stay on ATen,
 which already uses oneDNN for them.
+
+The fused chunked rule is built the same way (``-O3 -march=native``, one build per torch version
+and CPU): the torch path's time was memory-bound passes over whole-prompt float32 tensors, which
+the fused rule keeps in a per-thread workspace (docs/ARCHITECTURE.md). ``EPD_PREFILL_KERNELS=0``
+turns every path of this module off.
 """
 
 from __future__ import annotations
@@ -241,10 +248,9 @@ def fuse_mlp_activations(vision: torch.nn.Module) -> int:
     ``[patches, intermediate]`` activations, 784 x 3,072 for a 448x448 image on the 0.8b (one
     thread, one layer's fc1 + GELU: 14.2 -> 10.9 ms in bfloat16, 23.3 -> 20.4 in float32). Returns
     how many (0 with ``EPD_PREFILL_KERNELS=0``)."""
-    from transformers.activations import GELUTanh
-
     if _switched_off():
         return 0
+    from transformers.activations import GELUTanh
 
     from epd import kernels
 
@@ -265,7 +271,8 @@ class PackedLinearGelu(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("weight", linear.weight, persistent=False)  # packed, as in PackedLinear
+        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], "tanh")
