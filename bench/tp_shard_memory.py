@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("dtype", choices=["float32", "bfloat16"])
     parser.add_argument("how", choices=["old", "new"])
     args = parser.parse_args()
-    from decode_svc.tensor_parallel import load_shard
+    from epd.tp_group import load_shard
     from epd.lm import TextModelRunner
     from epd.tensor_parallel import shard_runner
 

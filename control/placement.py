@@ -5,6 +5,14 @@ Each role actor asks Ray for the resources its role is given in the deploy file
 (``deploy/roles.toml``): custom resources or GPUs decide which nodes take which role; nothing in
 the code names a node. The control plane itself (controller, registry) stays on the node that
 deployed it (``here``).
+
+A tensor-parallel replica (``prefill.tensor_parallel`` / ``decode.tensor_parallel`` = N) is one
+actor (rank 0) whose N-1 follower ranks are local processes it starts: Ray would count only the
+actor's resources. So its N ranks are reserved together (``reserve_ranks``): a placement group of
+N bundles, each the role's resources, STRICT_PACK (one node: the followers run beside rank 0),
+named after the replica and detached (it outlives a restart of the controller; Ray restarts the
+actor inside it). The actor runs in bundle 0. The group goes when the replica goes
+(``release_ranks``: scaled down, dead and replaced, or the deployment shut down).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import ray
 
 from control.fleet import unplaced
 from epd import discovery, rpc
-from epd.config import ROLES, DeployConfig, ServeConfig
+from epd.config import ROLES, TP_ROLES, DeployConfig, ServeConfig
 
 log = logging.getLogger("control.controller")  # the controller's log, whichever of its modules writes
 
@@ -45,11 +53,53 @@ def create(config: DeployConfig, role: str, name: str, registry, serve: ServeCon
     actor_options = cls.actor_options(config.serve) if hasattr(cls, "actor_options") else {}
     options = {**actor_options, **config.role_resources(role).ray_options(), "name": name,
                "lifetime": "detached", "max_restarts": config.max_restarts, "max_task_retries": 0,
-               "scheduling_strategy": "SPREAD"}
+               "scheduling_strategy": reserve_ranks(config, role, name) or "SPREAD"}
     context = discovery.RoleContext(name=name, host=bind_host(config, role), registry=registry,
                                     poll_s=config.poll_s, heartbeat_s=config.heartbeat_s,
                                     refill_grace_s=config.refill_grace_s)
     return ray.remote(cls).options(**options).remote(serve, context)
+
+
+def tensor_parallel(config: DeployConfig, role: str) -> int:
+    """The processes one replica of ``role`` spans (1 for roles that cannot span several)."""
+    return getattr(config.serve, role).tensor_parallel if role in TP_ROLES else 1
+
+
+def ranks_group_name(name: str) -> str:
+    return f"{name}-ranks"
+
+
+def reserve_ranks(config: DeployConfig, role: str, name: str):
+    """The scheduling strategy that puts replica ``name`` in bundle 0 of a placement group of its
+    N ranks (N bundles of the role's resources, STRICT_PACK), made now if it is not there yet;
+    None for a replica of one process, or one whose role asks Ray for nothing (``num_cpus`` 0, the
+    one-machine default: there is nothing to reserve, and Ray refuses an empty bundle)."""
+    world, bundle = tensor_parallel(config, role), shape(config, role)
+    if world == 1 or not bundle:
+        return None
+    from ray.util.placement_group import get_placement_group, placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    try:
+        group = get_placement_group(ranks_group_name(name))
+    except ValueError:  # the usual case: a new replica
+        group = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_PACK",
+                                name=ranks_group_name(name), lifetime="detached")
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
+
+
+def release_ranks(name: str) -> None:
+    """Remove the placement group of replica ``name``'s ranks, if it has one."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        group = get_placement_group(ranks_group_name(name))
+    except ValueError:
+        return
+    try:
+        remove_placement_group(group)
+    except Exception as error:  # noqa: BLE001 - removed already; Ray forgets it with the cluster anyway
+        log.warning("placement group of %s not removed: %s", name, error)
 
 
 def router_serve(serve: ServeConfig, name: str, holder: str, alive: dict) -> tuple[ServeConfig, str]:
