@@ -34,7 +34,7 @@ from epd.sampling import SamplingConfig
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2
 from prefill_svc.engine import PrefillEngine
-from tests.conftest import epd_status, ray_address, serving
+from tests.conftest import epd, epd_status, ray_address, serving
 from tests.test_prefill_engine import Case, assert_matches_oracle, user
 
 SQUARE = make_image(448, 448, seed=1)
@@ -176,20 +176,51 @@ def test_tp2_prefill_and_tp2_decode_are_token_identical_to_transformers(preset, 
         assert second.token_ids == oracle.generate_through_eos(oracle.chat_inputs(turn2), num_tokens)
 
 
+_GROUPS = """
+import json, sys
+from control.cli import _ray_env
+_ray_env(sys.argv[1])
+import ray
+from ray.util import placement_group_table
+ray.init(address=sys.argv[1], namespace="epd", logging_level="ERROR")
+print(json.dumps({t["name"]: [t["state"], t["strategy"], len(t["bundles"])] for t in placement_group_table().values()}))
+"""
+
+
+def _groups(address: str) -> dict[str, list]:
+    """Every placement group of the stack's Ray, by name: state, strategy, bundles."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GROUPS, address], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _live_groups(address: str) -> dict[str, list]:
+    return {name: rest for name, (state, *rest) in _groups(address).items() if state != "REMOVED"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_killed_prefill_follower_fails_no_request_and_its_replica_comes_back(tiny_model_dir, oracle, tmp_path):
-    """Two TP=2 prefill replicas, six streams at once with long prompts (prefill is busy): the
-    follower rank of a replica computing one is killed. Its replica exits; the router retries its
-    prompts on the other; every stream ends with transformers' tokens; the replica is restarted
-    with a new follower."""
+    """Two TP=2 prefill replicas, each reserving its two ranks' CPUs in a placement group (half a
+    CPU a rank: the machine's two cores), six streams at once with long prompts (prefill is busy):
+    the follower rank of a replica computing one is killed. Its replica exits; the router retries
+    its prompts on the other; every stream ends with transformers' tokens; the replica comes back
+    with a new follower, and there is still one group per replica (none leaked)."""
     num_tokens = 8
     prompts = [f"Request {i}: " + "tell me about the weather in three sentences. " * 30 for i in range(6)]
     want = [oracle.generate_through_eos(oracle.inputs(p, []), num_tokens) for p in prompts]
-    with serving(tiny_model_dir, "--encoders", "1", "--prefill", "2", "--prefill-tensor-parallel", "2",
+    roles = tmp_path / "roles.toml"
+    roles.write_text("[roles.prefill]\nnum_cpus = 0.5\ntensor_parallel = 2\n")
+    with serving(tiny_model_dir, "--encoders", "1", "--prefill", "2", "--config", str(roles),
                  "--prefill-threads", "1", "--prefill-chunk-tokens", "16", "--prefix-cache-mb", "0",
                  "--log-level", "INFO", log_path=str(tmp_path / "serve.log")) as server:
         address = ray_address(server)
+        names = sorted(r["name"] for r in epd_status(address)["roles"]["prefill"])
+        assert _live_groups(address) == {f"{name}-ranks": ["STRICT_PACK", 2] for name in names}
         outcome: dict = {}
 
         def stream(index: int) -> None:
@@ -234,6 +265,12 @@ def test_a_killed_prefill_follower_fails_no_request_and_its_replica_comes_back(t
         again = client.generate(server.address, client.user_request(prompts[0], [], max_tokens=num_tokens,
                                                                      temperature=0.0, ignore_eos=True), timeout_s=240)
         assert again.token_ids == want[0]
+        names = sorted(r["name"] for r in epd_status(address)["roles"]["prefill"])
+        assert _live_groups(address) == {f"{name}-ranks": ["STRICT_PACK", 2] for name in names}
+        down = epd("scale", "--address", address, "prefill", "1")  # the newest goes, and its group with it
+        assert down.returncode == 0, down.stderr
+        left = [r["name"] for r in epd_status(address)["roles"]["prefill"]]
+        assert len(left) == 1 and _live_groups(address) == {f"{left[0]}-ranks": ["STRICT_PACK", 2]}
 
 
 # ------------------------------------------------------------------ the ranks' placement group (a real local Ray)
