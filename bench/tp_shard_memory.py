@@ -1,5 +1,5 @@
 """Anonymous memory (RssAnon) of rank 0 of 2 while and after it loads its shard: ``old`` loads the
-whole model in the target dtype and cuts it; ``new`` is ``decode_svc.tensor_parallel.load_shard``
+whole model in the target dtype and cuts it; ``new`` is ``epd.tp_group.load_shard``
 (the files opened in their stored dtype, each slice converted as it is cut). docs/BENCHMARKS.md.
 
     python -m bench.tp_shard_memory MODEL_DIR {float32,bfloat16} {old,new}

@@ -3,9 +3,9 @@
 Rank 0 is the decode role itself (the Ray actor: gRPC server, ``DecodeEngine``, scheduler, block
 pool, membership); it starts ranks 1..N-1 as local processes (``python -m
 decode_svc.tensor_parallel``) and joins them in a ``torch.distributed`` group (gloo on a CPU,
-NCCL on a GPU is not wired yet): ``epd.tp_group``, which the prefill's replica of N ranks shares. Each rank holds its shard of the weights
-(``epd.tensor_parallel.shard_runner``: attention and Gated DeltaNet heads, MLP and expert
-columns, the vocabulary) and a ``DecodeBatch`` of its shard of every request's state (its K/V
+NCCL on a GPU is not wired yet): ``epd.tp_group``, which prefill's replica of N ranks shares.
+Each rank holds its shard of the weights (``epd.tensor_parallel.shard_runner``: attention and
+Gated DeltaNet heads, MLP and expert columns, the vocabulary) and a ``DecodeBatch`` of its shard of every request's state (its K/V
 heads, its linear-attention heads), with the same block ids and slots on every rank.
 
 Only rank 0 decides anything. Every operation the engine's loop thread makes on the batch

@@ -431,7 +431,8 @@ class PrefillEngine:
                 continue
             last = end == job.progress.prompt_len
             hashes = job.block_hashes[: end // self.prefix.block_size]
-            snapshot = bool(end in job.progress.stops and self.config.prefix_cache_mb and self.prefix.wants(hashes[-1]))
+            snapshot = bool(end in job.progress.stops and self.config.prefix_cache_mb
+                            and self.prefix.wants(hashes[-1]))
             # the whole state at most once a chunk: a snapshot and the handoff share it
             whole = self.states.whole(job.state, release=last) if snapshot or last else None
             if snapshot and self.prefix.insert(hashes, whole):
