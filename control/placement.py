@@ -125,10 +125,18 @@ def bind_host(config: DeployConfig, role: str) -> str:
 
 
 def shape(config: DeployConfig, role: str) -> dict[str, float]:
-    """What one replica of ``role`` asks Ray for, as Ray's pending demands spell it."""
+    """What one process of ``role`` asks Ray for (a replica of N ranks asks it N times), as Ray's
+    pending demands spell it."""
     resources = config.role_resources(role)
     return {**({"CPU": resources.num_cpus} if resources.num_cpus else {}),
             **({"GPU": resources.num_gpus} if resources.num_gpus else {}), **resources.resources}
+
+
+def replica_shape(config: DeployConfig, role: str) -> dict[str, float]:
+    """What one replica of ``role`` asks Ray for in all: a replica of N ranks, N times its role's
+    resources, on one node (its placement group, which Ray reports as one gang demand)."""
+    world = tensor_parallel(config, role)
+    return {key: amount * world for key, amount in shape(config, role).items()}
 
 
 def find_unplaced(config: DeployConfig, waiting: dict[str, list[str]], known: list[dict]) -> list[dict]:
@@ -140,7 +148,7 @@ def find_unplaced(config: DeployConfig, waiting: dict[str, list[str]], known: li
     found: list[dict] = []
     if any(waiting.values()):
         try:
-            found = unplaced(pending_demands(), {role: shape(config, role) for role in ROLES}, waiting,
+            found = unplaced(pending_demands(), {role: replica_shape(config, role) for role in ROLES}, waiting,
                              [n["Resources"] for n in ray.nodes() if n["Alive"]])
         except Exception as error:  # noqa: BLE001 - a report only; try again next round
             log.warning("cannot read Ray's pending demands: %s", error)
@@ -159,7 +167,23 @@ def pending_demands() -> list[tuple[dict[str, float], int]]:
     from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
     state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
-    return [(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
+    return ([(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
+            + gang_demands([[dict(r.resources_bundle) for r in gang.requests]
+                            for gang in state.pending_gang_resource_requests]))
+
+
+def gang_demands(gangs: list[list[dict[str, float]]]) -> list[tuple[dict[str, float], int]]:
+    """Pending placement groups (each a list of bundles) as (shape, count) demands: a group's
+    bundles summed (STRICT_PACK: one node must offer them all), equal groups counted together."""
+    counts: dict[tuple, int] = {}
+    for bundles in gangs:
+        total: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + amount
+        key = tuple(sorted(total.items()))
+        counts[key] = counts.get(key, 0) + 1
+    return [(dict(key), count) for key, count in counts.items()]
 
 
 def here():

@@ -331,3 +331,26 @@ def test_a_tp_replica_reserves_its_ranks_together_and_gives_them_back(tiny_model
     assert found["state"] == "CREATED" and found["actor"]["CPU"] == 1.0
     assert found["free_cpus"] == 2.0  # both ranks' CPUs are reserved, not only the actor's
     assert found["after"] == "REMOVED"
+
+
+def test_a_tp_replica_ray_cannot_place_is_reported_by_its_whole_group(tiny_model_dir):
+    """A pending placement group is one gang demand: its bundles summed (one node must hold them
+    all), equal groups counted together, and put down to the role whose replica asks for exactly
+    that (N times its role's resources)."""
+    from control.fleet import unplaced
+    from control.placement import gang_demands, replica_shape
+    from epd.config import DeployConfig, PrefillConfig, RoleResources, ServeConfig
+
+    config = DeployConfig(serve=ServeConfig(model_dir=tiny_model_dir, prefill=PrefillConfig(tensor_parallel=2)),
+                          resources={"prefill": RoleResources(num_cpus=2, resources={"epd_lm": 1}),
+                                     "decode": RoleResources(num_cpus=2, resources={"epd_lm": 1})})
+    assert replica_shape(config, "prefill") == {"CPU": 4.0, "epd_lm": 2.0}
+    assert replica_shape(config, "decode") == {"CPU": 2.0, "epd_lm": 1.0}
+    bundle = {"CPU": 2.0, "epd_lm": 1.0}
+    demands = gang_demands([[bundle, bundle], [bundle, bundle]])
+    assert demands == [({"CPU": 4.0, "epd_lm": 2.0}, 2)]
+    node = {"CPU": 3.0, "epd_lm": 4.0}  # holds one rank's bundle, not both
+    (entry,) = unplaced(demands, {role: replica_shape(config, role) for role in ("prefill", "decode")},
+                        {"prefill": ["prefill-3"], "decode": []}, [node])
+    assert entry["roles"] == ["prefill"] and entry["count"] == 1
+    assert entry["reason"].startswith("no alive node offers {CPU: 4, epd_lm: 2}")
