@@ -69,11 +69,11 @@ def test_tp2_prefill_engine_hands_off_the_whole_state_of_one_process(preset, req
     plain = TextModelRunner.load(model_dir)
     # chunks of 16 tokens: the image's 196 rows span many; two prompts share each forward
     config = PrefillConfig(chunk_tokens=16, batch_tokens=32, prefix_block_size=16, snapshot_every_blocks=4)
-    first = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE))
-    text = Case(oracle, info, redis_url, user("Tell me about the weather in three sentences."))
+    first = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE), max_new_tokens=8)
+    text = Case(oracle, info, redis_url, user("Tell me about the weather in three sentences."), max_new_tokens=8)
     history = user("What is in this picture?", SQUARE) + [
         {"role": "assistant", "content": "A square."}, {"role": "user", "content": "And its colour?"}]
-    second = Case(oracle, info, redis_url, history)
+    second = Case(oracle, info, redis_url, history, max_new_tokens=8)
     group = TensorParallelGroup(model_dir, 2, "float32", True, 1, "")
     engines = []
     try:
@@ -313,6 +313,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a Ray of its own (~15-45 s to start here); the kill test below checks the groups in a stack too
 def test_a_tp_replica_reserves_its_ranks_together_and_gives_them_back(tiny_model_dir):
     """``control.placement.reserve_ranks`` on a real local Ray: a TP=2 prefill replica's actor runs
     in bundle 0 of a STRICT_PACK group of two bundles of the role's resources (Ray counts the
