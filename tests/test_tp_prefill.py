@@ -161,7 +161,7 @@ def test_tp2_prefill_and_tp2_decode_are_token_identical_to_transformers(preset, 
     with serving(model_dir, "--encoders", "1", "--prefill-tensor-parallel", "2", "--decode-tensor-parallel", "2",
                  "--prefill-threads", "1", "--decode-threads", "1", "--prefix-block-size", "16",
                  "--prefill-chunk-tokens", "64", "--log-level", "INFO",
-                 log_path=str(tmp_path / "serve.log")) as server:
+                 log_path=str(tmp_path / "serve.log"), ready_timeout_s=600) as server:
         address = ray_address(server)
         assert len(_prefill_followers(address)) == 1
         roles = epd_status(address)["roles"]
@@ -217,7 +217,7 @@ def test_a_killed_prefill_follower_fails_no_request_and_its_replica_comes_back(t
     roles.write_text("[roles.prefill]\nnum_cpus = 0.5\ntensor_parallel = 2\n")
     with serving(tiny_model_dir, "--encoders", "1", "--prefill", "2", "--config", str(roles),
                  "--prefill-threads", "1", "--prefill-chunk-tokens", "16", "--prefix-cache-mb", "0",
-                 "--log-level", "INFO", log_path=str(tmp_path / "serve.log")) as server:
+                 "--log-level", "INFO", log_path=str(tmp_path / "serve.log"), ready_timeout_s=600) as server:
         address = ray_address(server)
         names = sorted(r["name"] for r in epd_status(address)["roles"]["prefill"])
         assert _live_groups(address) == {f"{name}-ranks": ["STRICT_PACK", 2] for name in names}
