@@ -6,11 +6,14 @@ chunked prefill across an image, two prompts sharing forwards, a second turn res
 prefix cache (split to both ranks), prompt logprobs (the vocabulary-parallel head) all give the
 first token and the whole state of the one-process engine, and greedy decoding from that state
 gives transformers' tokens; a prompt cancelled mid-way leaves no shard behind on the follower.
+Also by default: a pending TP replica's placement group reported as unplaced (plain Python).
 
 Slow (stacks of their own): `--prefill-tensor-parallel 2 --decode-tensor-parallel 2` through
 `epd serve`, token-identical to transformers for text, an image and a second turn served from the
 prefix cache (tiny and tiny-moe); a prefill follower killed under several concurrent streams: no
-request fails, the replica comes back with a follower, answers equal the oracle.
+request fails, the replica comes back with a follower, answers equal the oracle, one placement
+group per replica before and after (and one fewer after a scale-down); and the placement group of
+a replica's ranks on a Ray of its own (bundles, STRICT_PACK, the CPUs Ray counts, removal).
 """
 
 from __future__ import annotations
