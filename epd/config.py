@@ -162,8 +162,8 @@ class LMConfig:
     tensor_parallel: int = 1
     """Processes each replica's language model spans (tensor parallelism, gloo on a CPU): rank 0 is
     the replica, the others local processes it starts, each holding 1/N of the weights and of every
-    request's K/V and linear state; Ray reserves the N ranks' CPUs together (a placement group).
-    Heads, K/V heads and MLP width must divide by it."""
+    request's K/V and linear state; Ray reserves the N ranks' resources together (a placement group
+    of N bundles) when the role asks Ray for any. Heads, K/V heads and MLP width must divide by it."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_CHOICES, f"{self.section}.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
