@@ -13,7 +13,8 @@ a noisy neighbour on shared cores hurts all alike (round 0 warms each one up and
   oneDNN (what ``TextModelRunner.load`` gives on a CPU); absent where packing does not apply.
 
 The reference kernels are swapped in for ``epd.lm``'s ``kernels`` module only while timed, with
-the fused C++ decode step (``epd.fused``) off, so every configuration's decode runs its torch path
+the fused C++ decode step (``epd.fused``) and chunked rule (``epd.kernels_prefill``) off, so every
+configuration runs its torch path
 (``bench.decode_step_profile`` and ``epd bench decode-step`` time the fused step). Each
 row reports the forward's time and the part of it spent inside the GDN/conv kernels.
 """
@@ -35,7 +36,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
 from bench.decode_step import machine_info
 from decode_svc.batch import DecodeBatch
-from epd import fused, kernels, lm, positions
+from epd import fused, kernels, kernels_prefill, lm, positions
 
 
 def _ref_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -86,13 +87,14 @@ def kernel_set(module, timer: list[float]):
                 timer[0] += time.perf_counter() - start
         return call
 
-    saved, saved_env = lm.kernels, os.environ.get(fused.ENV)
+    saved, saved_env, saved_rule = lm.kernels, os.environ.get(fused.ENV), kernels_prefill.gdn_chunk_op
     lm.kernels = SimpleNamespace(**{name: timed(getattr(module, name)) for name in _NAMES})
     os.environ[fused.ENV] = "0"  # these are the torch paths' configurations: not the fused C++ step
+    kernels_prefill.gdn_chunk_op = lambda: None  # nor the fused chunked rule (bench.gdn_chunk times it)
     try:
         yield
     finally:
-        lm.kernels = saved
+        lm.kernels, kernels_prefill.gdn_chunk_op = saved, saved_rule
         if saved_env is None:
             os.environ.pop(fused.ENV, None)
         else:

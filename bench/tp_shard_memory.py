@@ -1,5 +1,5 @@
 """Anonymous memory (RssAnon) of rank 0 of 2 while and after it loads its shard: ``old`` loads the
-whole model in the target dtype and cuts it; ``new`` is ``decode_svc.tensor_parallel.load_shard``
+whole model in the target dtype and cuts it; ``new`` is ``epd.tp_group.load_shard``
 (the files opened in their stored dtype, each slice converted as it is cut). docs/BENCHMARKS.md.
 
     python -m bench.tp_shard_memory MODEL_DIR {float32,bfloat16} {old,new}
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("dtype", choices=["float32", "bfloat16"])
     parser.add_argument("how", choices=["old", "new"])
     args = parser.parse_args()
-    from decode_svc.tensor_parallel import load_shard
+    from epd.tp_group import load_shard
     from epd.lm import TextModelRunner
     from epd.tensor_parallel import shard_runner
 

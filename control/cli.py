@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
         "line what this host cannot hold; each role checks its own device again before loading. One replica "
         "of each role needs 8.8 GiB for 2b, 18.4 GiB for 4b with --dtype bfloat16 (17.0 and 35.3 GiB in "
         "float32; docs/ARCHITECTURE.md has every size). Give replicas GPUs with "
-        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A decode "
-        "replica spans several devices or processes with --decode-tensor-parallel N."))
+        "--num-gpus or a --config roles file (num_gpus per role; docs/DEPLOY.md, 'Model sizes'). A prefill or "
+        "decode replica spans several processes with --prefill-tensor-parallel N / --decode-tensor-parallel N."))
     flags.add_flags(serve, flags.SERVE)
     flags.add_secret_files(serve)
     serve.add_argument("--config", default=None, metavar="TOML", help="role resources and encoder autoscaling")
@@ -606,11 +606,12 @@ def _check_memory(args, config) -> None:
     gpus = config.local_gpus > 0 or (config.local_gpus < 0 and os.path.exists("/dev/nvidiactl"))
     on_host = {role: config.replicas(role) for role in memory_plan.MODEL_ROLES
                if not gpus and not config.role_resources(role).num_gpus}
-    world = config.serve.decode.tensor_parallel
-    if world > 1:
-        problem = memory_plan.tensor_parallel_problem(memory_plan.read_raw_config(config.serve.model_dir), world)
-        if problem:
-            args.parser.error(f"decode.tensor_parallel = {world}: {problem}")
+    for role in ("prefill", "decode"):
+        world = getattr(config.serve, role).tensor_parallel
+        if world > 1:
+            problem = memory_plan.tensor_parallel_problem(memory_plan.read_raw_config(config.serve.model_dir), world)
+            if problem:
+                args.parser.error(f"{role}.tensor_parallel = {world}: {problem}")
     try:
         memory_plan.check_deployment(config.serve.model_dir, config.serve, on_host,
                                      memory_plan.host_available(), "this host's RAM")

@@ -278,6 +278,9 @@ class Controller:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        role = name.rsplit("-", 1)[0]
+        if placement.tensor_parallel(self.config, role) > 1:  # its ranks' reservation goes with it
+            placement.release_ranks(name)
         try:
             ray.get(self.registry.remove.remote(name), timeout=30)
         except Exception as error:  # noqa: BLE001 - the registry forgets it when it restarts anyway

@@ -95,7 +95,9 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--swap-space-bytes", "serve.decode.swap_space_bytes"),
     _flag("--encoder-batch-patches", "serve.encode.max_batch_patches"),
     _flag("--encoder-threads", "serve.encode.num_threads"),
-    _flag("--prefill-threads", "serve.prefill.num_threads"),
+    _flag("--prefill-threads", "serve.prefill.num_threads",
+          help="torch threads of each prefill process (each rank of a tensor-parallel replica); 0: every core it "
+               "may run on"),
     _flag("--decode-threads", "serve.decode.num_threads",
           help="torch threads of each decode process (each rank of a tensor-parallel replica); 0: every core it may "
                "run on"),
@@ -116,6 +118,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     # tunables of the machinery (docs/OPERATIONS.md "Tunables"); the defaults suit most deployments
     _flag("--max-resumes", "serve.router.max_resumes"),
     _flag("--reserve-hold-s", "serve.decode.reserve_hold_s"),
+    _flag("--prefill-tensor-parallel", "serve.prefill.tensor_parallel"),
     _flag("--decode-tensor-parallel", "serve.decode.tensor_parallel"),
     _flag("--encoder-gpu-batch-patches", "serve.encode.gpu_batch_patches"),
     _flag("--encoder-concurrency", "serve.encode.actor_concurrency"),
@@ -227,9 +230,9 @@ def deploy_config(args: argparse.Namespace, flags: tuple[Flag, ...], config_file
     if config_file:
         resources, autoscale = load_deploy_file(config_file)
         overrides["resources"], overrides["autoscale"] = resources, autoscale
-        tensor_parallel = deploy_file_tensor_parallel(config_file)
-        if tensor_parallel is not None and not hasattr(args, "decode_tensor_parallel"):  # the flag wins
-            _put(overrides, "serve.decode.tensor_parallel", tensor_parallel)
+        for role, tensor_parallel in deploy_file_tensor_parallel(config_file).items():
+            if not hasattr(args, f"{role}_tensor_parallel"):  # the flag wins
+                _put(overrides, f"serve.{role}.tensor_parallel", tensor_parallel)
     return _build(DeployConfig, overrides)
 
 

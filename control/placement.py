@@ -5,6 +5,14 @@ Each role actor asks Ray for the resources its role is given in the deploy file
 (``deploy/roles.toml``): custom resources or GPUs decide which nodes take which role; nothing in
 the code names a node. The control plane itself (controller, registry) stays on the node that
 deployed it (``here``).
+
+A tensor-parallel replica (``prefill.tensor_parallel`` / ``decode.tensor_parallel`` = N) is one
+actor (rank 0) whose N-1 follower ranks are local processes it starts: Ray would count only the
+actor's resources. So its N ranks are reserved together (``reserve_ranks``): a placement group of
+N bundles, each the role's resources, STRICT_PACK (one node: the followers run beside rank 0),
+named after the replica and detached (it outlives a restart of the controller; Ray restarts the
+actor inside it). The actor runs in bundle 0. The group goes when the replica goes
+(``release_ranks``: scaled down, dead and replaced, or the deployment shut down).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import ray
 
 from control.fleet import unplaced
 from epd import discovery, rpc
-from epd.config import ROLES, DeployConfig, ServeConfig
+from epd.config import ROLES, TP_ROLES, DeployConfig, ServeConfig
 
 log = logging.getLogger("control.controller")  # the controller's log, whichever of its modules writes
 
@@ -54,11 +62,53 @@ def create(config: DeployConfig, role: str, name: str, registry, serve: ServeCon
     actor_options = cls.actor_options(config.serve) if hasattr(cls, "actor_options") else {}
     options = {**actor_options, **config.role_resources(role).ray_options(), "name": name,
                "lifetime": "detached", "max_restarts": config.max_restarts, "max_task_retries": 0,
-               "scheduling_strategy": "SPREAD"}
+               "scheduling_strategy": reserve_ranks(config, role, name) or "SPREAD"}
     context = discovery.RoleContext(name=name, host=bind_host(config, role), registry=registry,
                                     poll_s=config.poll_s, heartbeat_s=config.heartbeat_s,
                                     refill_grace_s=config.refill_grace_s)
     return ray.remote(cls).options(**options).remote(serve, context)
+
+
+def tensor_parallel(config: DeployConfig, role: str) -> int:
+    """The processes one replica of ``role`` spans (1 for roles that cannot span several)."""
+    return getattr(config.serve, role).tensor_parallel if role in TP_ROLES else 1
+
+
+def ranks_group_name(name: str) -> str:
+    return f"{name}-ranks"
+
+
+def reserve_ranks(config: DeployConfig, role: str, name: str):
+    """The scheduling strategy that puts replica ``name`` in bundle 0 of a placement group of its
+    N ranks (N bundles of the role's resources, STRICT_PACK), made now if it is not there yet;
+    None for a replica of one process, or one whose role asks Ray for nothing (``num_cpus`` 0, the
+    one-machine default: there is nothing to reserve, and Ray refuses an empty bundle)."""
+    world, bundle = tensor_parallel(config, role), shape(config, role)
+    if world == 1 or not bundle:
+        return None
+    from ray.util.placement_group import get_placement_group, placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    try:
+        group = get_placement_group(ranks_group_name(name))
+    except ValueError:  # the usual case: a new replica
+        group = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_PACK",
+                                name=ranks_group_name(name), lifetime="detached")
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
+
+
+def release_ranks(name: str) -> None:
+    """Remove the placement group of replica ``name``'s ranks, if it has one."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        group = get_placement_group(ranks_group_name(name))
+    except ValueError:
+        return
+    try:
+        remove_placement_group(group)
+    except Exception as error:  # noqa: BLE001 - removed already; Ray forgets it with the cluster anyway
+        log.warning("placement group of %s not removed: %s", name, error)
 
 
 def router_serve(serve: ServeConfig, name: str, holder: str, alive: dict) -> tuple[ServeConfig, str]:
@@ -84,10 +134,18 @@ def bind_host(config: DeployConfig, role: str) -> str:
 
 
 def shape(config: DeployConfig, role: str) -> dict[str, float]:
-    """What one replica of ``role`` asks Ray for, as Ray's pending demands spell it."""
+    """What one process of ``role`` asks Ray for (a replica of N ranks asks it N times), as Ray's
+    pending demands spell it."""
     resources = config.role_resources(role)
     return {**({"CPU": resources.num_cpus} if resources.num_cpus else {}),
             **({"GPU": resources.num_gpus} if resources.num_gpus else {}), **resources.resources}
+
+
+def replica_shape(config: DeployConfig, role: str) -> dict[str, float]:
+    """What one replica of ``role`` asks Ray for in all: a replica of N ranks, N times its role's
+    resources, on one node (its placement group, which Ray reports as one gang demand)."""
+    world = tensor_parallel(config, role)
+    return {key: amount * world for key, amount in shape(config, role).items()}
 
 
 def find_unplaced(config: DeployConfig, waiting: dict[str, list[str]], known: list[dict]) -> list[dict]:
@@ -99,7 +157,7 @@ def find_unplaced(config: DeployConfig, waiting: dict[str, list[str]], known: li
     found: list[dict] = []
     if any(waiting.values()):
         try:
-            found = unplaced(pending_demands(), {role: shape(config, role) for role in ROLES}, waiting,
+            found = unplaced(pending_demands(), {role: replica_shape(config, role) for role in ROLES}, waiting,
                              [n["Resources"] for n in ray.nodes() if n["Alive"]])
         except Exception as error:  # noqa: BLE001 - a report only; try again next round
             log.warning("cannot read Ray's pending demands: %s", error)
@@ -118,7 +176,23 @@ def pending_demands() -> list[tuple[dict[str, float], int]]:
     from ray.autoscaler.v2.sdk import get_cluster_resource_state
 
     state = get_cluster_resource_state(ray._private.worker.global_worker.gcs_client)
-    return [(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
+    return ([(dict(r.request.resources_bundle), r.count) for r in state.pending_resource_requests]
+            + gang_demands([[dict(r.resources_bundle) for r in gang.requests]
+                            for gang in state.pending_gang_resource_requests]))
+
+
+def gang_demands(gangs: list[list[dict[str, float]]]) -> list[tuple[dict[str, float], int]]:
+    """Pending placement groups (each a list of bundles) as (shape, count) demands: a group's
+    bundles summed (STRICT_PACK: one node must offer them all), equal groups counted together."""
+    counts: dict[tuple, int] = {}
+    for bundles in gangs:
+        total: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + amount
+        key = tuple(sorted(total.items()))
+        counts[key] = counts.get(key, 0) + 1
+    return [(dict(key), count) for key, count in counts.items()]
 
 
 def here():

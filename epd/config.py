@@ -159,9 +159,15 @@ class LMConfig:
     prepack: bool = True
     """On a CPU, run the linear layers through oneDNN with pre-packed weights (2-4x faster here;
     costs a second copy of the weights in memory, ~3 GB for the 0.8b model in float32)."""
+    tensor_parallel: int = 1
+    """Processes each replica's language model spans (tensor parallelism, gloo on a CPU): rank 0 is
+    the replica, the others local processes it starts, each holding 1/N of the weights and of every
+    request's K/V and linear state; Ray reserves the N ranks' resources together (a placement group
+    of N bundles) when the role asks Ray for any. Heads, K/V heads and MLP width must divide by it."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPE_CHOICES, f"{self.section}.dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        _check_range(self.tensor_parallel, 1, 64, f"{self.section}.tensor_parallel")
         _check_range(self.num_threads, 0, 256, f"{self.section}.num_threads")
         _check_cpus(self.cpus, f"{self.section}.cpus")
 
@@ -243,15 +249,9 @@ class DecodeConfig(LMConfig):
     """Port of the decode worker's Prometheus /metrics endpoint; 0 turns it off."""
     reserve_hold_s: float = 10.0
     """A place reserved for a handoff (Decode.Reserve) is kept this long for it, then given back."""
-    tensor_parallel: int = 1
-    """Processes each decode replica's language model spans (tensor parallelism, gloo on a CPU): rank 0
-    is the replica, the others local processes it starts, each holding 1/N of the weights and of every
-    request's K/V and linear state. Heads, K/V heads and MLP width must divide by it."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_range(self.reserve_hold_s, 0.1, 3600, "decode.reserve_hold_s")
-        _check_range(self.tensor_parallel, 1, 64, "decode.tensor_parallel")
         _check_range(self.stream_group_s, 0, 1, "decode.stream_group_s")
         _check_range(self.handoff_lease_s, 0.1, 3600, "decode.handoff_lease_s")
         _check_range(self.max_batch_size, 1, 1024, "decode.max_batch_size")
@@ -689,8 +689,9 @@ class DeployConfig:
         if self.autoscale.enabled:
             _check_range(self.num_encoders, self.autoscale.min_replicas, self.autoscale.max_replicas, "num_encoders")
         if self.aggregate:
-            _check(self.serve.decode.tensor_parallel == 1, "decode.tensor_parallel",
-                   "an aggregated replica is one process: tensor parallelism is for separate decode replicas")
+            for section in ("prefill", "decode"):
+                _check(getattr(self.serve, section).tensor_parallel == 1, f"{section}.tensor_parallel",
+                       "an aggregated replica is one process: tensor parallelism is for separate replicas")
             for name in ("dtype", "prepack", "num_threads", "cpus"):
                 prefill, decode = getattr(self.serve.prefill, name), getattr(self.serve.decode, name)
                 _check(prefill == decode, f"prefill.{name}",
@@ -742,9 +743,10 @@ def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConf
     resources = {}
     for role, table in data.get("roles", {}).items():
         _check(role in ROLES, f"{path}: roles", f"unknown role {role!r}; roles are {ROLES}")
-        allowed = {"num_cpus", "num_gpus", "resources", *(("tensor_parallel",) if role == "decode" else ())}
+        allowed = {"num_cpus", "num_gpus", "resources", *(("tensor_parallel",) if role in TP_ROLES else ())}
         _check(set(table) <= allowed, f"{path}: roles.{role}", f"unknown keys {sorted(set(table) - allowed)}"
-               + ("; tensor_parallel is served for decode only" if "tensor_parallel" in table else ""))
+               + (f"; tensor_parallel is served for {' and '.join(TP_ROLES)} only" if "tensor_parallel" in table
+                  else ""))
         table = {key: value for key, value in table.items() if key != "tensor_parallel"}
         try:
             resources[role] = RoleResources(**table)
@@ -760,16 +762,25 @@ def load_deploy_file(path: str) -> tuple[dict[str, RoleResources], AutoscaleConf
     return resources, autoscale
 
 
-def deploy_file_tensor_parallel(path: str) -> int | None:
-    """``tensor_parallel`` of ``[roles.decode]`` in a deploy file (``load_deploy_file`` checks the
-    file), or None when it does not set one."""
+TP_ROLES = ("prefill", "decode")
+"""The roles a replica of which may span several processes (``tensor_parallel``)."""
+
+
+def deploy_file_tensor_parallel(path: str) -> dict[str, int]:
+    """``tensor_parallel`` of ``[roles.prefill]`` and ``[roles.decode]`` in a deploy file
+    (``load_deploy_file`` checks the file), by role, for those that set one."""
     import tomllib
 
     with open(path, "rb") as f:
-        value = tomllib.load(f).get("roles", {}).get("decode", {}).get("tensor_parallel")
-    _check(value is None or (isinstance(value, int) and not isinstance(value, bool)),
-           f"{path}: roles.decode.tensor_parallel", f"must be an integer, got {value!r}")
-    return value
+        roles = tomllib.load(f).get("roles", {})
+    found = {}
+    for role in TP_ROLES:
+        value = roles.get(role, {}).get("tensor_parallel")
+        _check(value is None or (isinstance(value, int) and not isinstance(value, bool)),
+               f"{path}: roles.{role}.tensor_parallel", f"must be an integer, got {value!r}")
+        if value is not None:
+            found[role] = value
+    return found
 
 
 # ---------------------------------------------------------------- field docs (the CLI's help)

@@ -23,6 +23,8 @@ runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -91,8 +93,33 @@ def compile_library(name: str, source: Path, cflags: list[str], directory: Path 
             raise RuntimeError(f"{tool!r} not found (a C++ compiler and ninja build the kernels)")
     directory = Path(directory) if directory is not None else cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory), extra_cflags=cflags,
-                       is_python_module=False, verbose=verbose)
+    with _build_lock(directory):
+        cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory), extra_cflags=cflags,
+                           is_python_module=False, verbose=verbose)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One builder at a time in ``directory``, by an ``flock`` the kernel drops when its holder dies.
+
+    torch's own guard is a ``lock`` file it creates and deletes (``FileBaton``): a process killed
+    while building (a role stopped or ``kill -9``'d at its first start) leaves it behind, and every
+    later process then waits on it forever (every role's start hung so here). Under this flock no
+    live epd process is building, so a ``lock`` file found is such a leftover and is removed."""
+    with open(directory / ".epd-build.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", directory.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build(directory: Path | None = None, name: str | None = None, verbose: bool = False):

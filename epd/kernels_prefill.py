@@ -1,4 +1,6 @@
-"""Prefill's and the vision tower's batched matrix products on a CPU, through oneDNN.
+"""Prefill's and the vision tower's CPU fast paths: batched matrix products through oneDNN, the
+fused chunked gated delta rule (``chunk_gated_delta_rule``, ``epd/csrc/gdn_chunk.cpp``), the
+vision tower's attention, patch embedding and MLP GELU.
 
 On this project's CPUs (AMD EPYC with AVX-512) ATen sends a float32 ``bmm``/``matmul`` to MKL,
 which runs the Gated DeltaNet chunk products (``[heads, 32, 128] @ [heads, 128, 128]``) and the
@@ -14,6 +16,11 @@ once per torch version) by ``epd.fused.compile_library`` into ``$XDG_CACHE_HOME/
 If it cannot be built or loaded, or ``EPD_PREFILL_KERNELS=0``, a warning says so once and every
 product falls back to ``torch.matmul``: slower, same results. bfloat16 products stay on ATen,
 which already uses oneDNN for them.
+
+The fused chunked rule is built the same way (``-O3 -march=native``, one build per torch version
+and CPU): the torch path's time was memory-bound passes over whole-prompt float32 tensors, which
+the fused rule keeps in a per-thread workspace (docs/ARCHITECTURE.md). ``EPD_PREFILL_KERNELS=0``
+turns every path of this module off.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ def available() -> bool:
     """Build (or find) and load the operator once per process; False, with one warning, when it
     is switched off or cannot be had. A freshly loaded operator is checked against
     ``torch.matmul`` on a small product before anything uses it."""
-    if os.environ.get("EPD_PREFILL_KERNELS", "1") == "0":
+    if _switched_off():
         return False
     if not torch.backends.mkldnn.is_available():
         log.warning("oneDNN is not available in this torch: prefill products use torch.matmul")
@@ -64,6 +71,11 @@ def available() -> bool:
                     type(error).__name__)
         return False
     return True
+
+
+def _switched_off() -> bool:
+    """``EPD_PREFILL_KERNELS=0``: every fast path of this module off (the torch path runs)."""
+    return os.environ.get("EPD_PREFILL_KERNELS", "1") == "0"
 
 
 def _usable(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -96,6 +108,65 @@ def addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[..., M, K]`` -> ``[batch, M, K]``: a view where the leading dims allow it."""
     return x if x.dim() == 3 else x.reshape(-1, *x.shape[-2:])
+
+
+# ---------------------------------------------------------------- the fused chunked gated delta rule
+
+_GDN_SOURCE = Path(__file__).with_name("csrc") / "gdn_chunk.cpp"
+GDN_CHUNK_DTYPES = (torch.bfloat16, torch.float32)
+"""The dtypes whose prefill chunks run the fused rule (float32 too: the parity tests pass with it)."""
+
+
+@functools.cache
+def gdn_chunk_op():
+    """The fused chunked gated delta rule (``epd/csrc/gdn_chunk.cpp``), built (``-O3
+    -march=native``: one build per torch version and CPU, like the decode kernel) or loaded once
+    per process; None, with one warning, when it cannot be had, or None when
+    ``EPD_PREFILL_KERNELS=0``."""
+    if _switched_off():
+        return None
+    from epd import fused
+
+    name = f"epd_gdn_chunk_{fused.torch_tag()}_{fused._cpu_key()}"
+    try:
+        fused.compile_library(name, _GDN_SOURCE, ["-O3", "-march=native"])
+        return torch.ops.epd_gdn_chunk.chunk_rule
+    except Exception as error:  # noqa: BLE001 - any failure means the torch path
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        reason = next((line for line in lines if "error:" in line), lines[-1])
+        log.warning("the fused chunked gated delta rule is unavailable (%s): prefill runs the torch path "
+                    "(slower; the same results to float32 rounding)", reason.strip())
+        return None
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False):
+    """``epd.kernels.chunk_gated_delta_rule`` (same contract, same chunking and algebra) in one
+    fused C++ call on a CPU, for bfloat16 and float32 inputs: ``query``/``key`` ``[B, T, k_heads,
+    k_dim]`` and ``value`` ``[B, T, v_heads, v_dim]`` may be strided views (the conv output's
+    split), ``g``/``beta`` ``[B, T, v_heads]``. Anything else (another device or dtype, autograd,
+    the op unavailable) runs the torch path."""
+    from epd import kernels
+
+    op = None
+    if (query.device.type == "cpu" and value.dtype in GDN_CHUNK_DTYPES and query.dtype == key.dtype == value.dtype
+            and not torch.is_grad_enabled() and query.shape[1] > 0):
+        op = gdn_chunk_op()
+    if op is None:
+        return kernels.chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=chunk_size,
+                                              initial_state=initial_state, output_final_state=output_final_state,
+                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    batch, length, heads, v_dim = value.shape
+    if initial_state is None:
+        state = torch.zeros(batch, heads, key.shape[-1], v_dim, dtype=torch.float32)
+    else:
+        # a contiguous float32 copy: the caller's tensor stays as it was, whatever its strides
+        state = initial_state.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    beta = beta if beta.dtype in (torch.float32, value.dtype) else beta.float()
+    out = op(q, k, v, g.float(), beta, state, min(chunk_size, length), use_qk_l2norm_in_kernel)
+    return out, state if output_final_state else None
 
 
 # ---------------------------------------------------------------- the vision tower's attention
@@ -145,7 +216,8 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     """``vision``'s CPU fast paths, when its weights are on a CPU: the patch embedding as one
     pre-packed linear layer (``PatchProjection``; not when ``prepack`` is off, as ``--no-prepack``
-    leaves every linear layer to ``F.linear``), and, in bfloat16 or float16, its attention through
+    leaves every linear layer to ``F.linear``), each MLP's GELU inside its first layer's oneDNN
+    call (``fuse_mlp_activations``, where that layer is pre-packed), and, in bfloat16 or float16, its attention through
     ``vision_attention`` when the operator is available (True if so; built here, at start-up,
     rather than in the first request). Elsewhere it keeps what it was built with. float32, the
     exactness mode, keeps transformers' SDPA: there the two ran within noise of each other on a
@@ -159,6 +231,7 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     proj = getattr(getattr(vision, "patch_embed", None), "proj", None)
     if prepack and isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
         vision.patch_embed.proj = PatchProjection(proj)
+    fuse_mlp_activations(vision)
     if weight.dtype == torch.float32 or not available():
         return False
     from transformers import AttentionInterface
@@ -166,6 +239,43 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     AttentionInterface.register(ATTENTION, vision_attention)
     vision.config._attn_implementation = ATTENTION
     return True
+
+
+def fuse_mlp_activations(vision: torch.nn.Module) -> int:
+    """Each vision MLP whose first layer is pre-packed and whose activation is transformers'
+    ``GELUTanh`` (Qwen3.5's ``gelu_pytorch_tanh``) gets the GELU inside that layer's oneDNN call,
+    as a post-op on the float32 accumulator (``PackedLinearGelu``): one pass less over the
+    ``[patches, intermediate]`` activations, 784 x 3,072 for a 448x448 image on the 0.8b (one
+    thread, one layer's fc1 + GELU: 14.2 -> 10.9 ms in bfloat16, 23.3 -> 20.4 in float32). Returns
+    how many (0 with ``EPD_PREFILL_KERNELS=0``)."""
+    if _switched_off():
+        return 0
+    from transformers.activations import GELUTanh
+
+    from epd import kernels
+
+    count = 0
+    for module in vision.modules():
+        fc1 = getattr(module, "linear_fc1", None)
+        if type(fc1) is kernels.PackedLinear and type(getattr(module, "act_fn", None)) is GELUTanh:
+            module.linear_fc1, module.act_fn = PackedLinearGelu(fc1), torch.nn.Identity()
+            count += 1
+    return count
+
+
+class PackedLinearGelu(torch.nn.Module):
+    """``gelu(linear(x), approximate="tanh")`` in one oneDNN call over a ``kernels.PackedLinear``'s
+    packed weight: the GELU applied to the float32 sums before they are stored, so in bfloat16
+    the output is rounded once (the unfused pair rounds the product, then the GELU); in float32
+    within 3e-7 of the pair."""
+
+    def __init__(self, linear: torch.nn.Module) -> None:
+        super().__init__()
+        self.register_buffer("weight", linear.weight, persistent=False)  # packed, as in PackedLinear
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], "tanh")
 
 
 class PatchProjection(torch.nn.Module):

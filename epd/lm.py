@@ -138,6 +138,7 @@ class TextModelRunner:
             runner.prepack_linears()
         if runner.device.type == "cpu":
             kernels_prefill.available()  # the chunk kernel's oneDNN operator, built or loaded now, not in a request
+            kernels_prefill.gdn_chunk_op()  # and the fused chunked rule
         return runner
 
     def prepack_linears(self) -> None:
@@ -476,7 +477,7 @@ def _gdn_prefill_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torc
         recurrent = recurrent.to(torch.float32, copy=True)
         core = kernels.recurrent_gated_delta_step(query, key, value, g, beta, recurrent)
     else:
-        core, recurrent = kernels.chunk_gated_delta_rule(
+        core, recurrent = _chunk_rule(mixed)(
             query, key, value, g=g, beta=beta, chunk_size=_gdn_chunk(device),
             initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.recurrent[index] = recurrent
@@ -541,6 +542,15 @@ def _gdn_constants(gdn: qm.Qwen3_5GatedDeltaNet) -> tuple[torch.Tensor, ...]:
         cached = key, fused.gdn_constants(gdn.conv1d.weight[:, 0], *params[1:])
         gdn.__dict__["_epd_fused_constants"] = cached
     return cached[1]
+
+
+def _chunk_rule(x: torch.Tensor):
+    """The chunked gated delta rule for a prefill chunk: on a CPU, in a dtype of
+    ``kernels_prefill.GDN_CHUNK_DTYPES``, the fused C++ rule where it is built (and not turned off
+    by ``EPD_PREFILL_KERNELS=0``); otherwise the torch path."""
+    if x.device.type == "cpu" and x.dtype in kernels_prefill.GDN_CHUNK_DTYPES and kernels_prefill.gdn_chunk_op():
+        return kernels_prefill.chunk_gated_delta_rule
+    return kernels.chunk_gated_delta_rule
 
 
 def _gdn_chunk(device: torch.device) -> int:

@@ -266,11 +266,12 @@ def need_of_role(raw: dict, role: str, serve) -> Need:
         return role_need(raw, "encoder", config.dtype, max_image_patches=config.max_batch_patches or 16384)
     if role == "prefill":
         config = serve.prefill
-        return role_need(raw, "prefill", config.dtype, chunk_tokens=config.chunk_tokens,
+        need = role_need(raw, "prefill", config.dtype, chunk_tokens=config.chunk_tokens,
                          max_held_bytes=config.max_held_mb * MIB)
-    config = serve.decode
-    need = role_need(raw, "decode", config.dtype, max_batch_size=config.max_batch_size,
-                     kv_cache_bytes=config.kv_cache_bytes, swap_space_bytes=config.swap_space_bytes)
+    else:
+        config = serve.decode
+        need = role_need(raw, "decode", config.dtype, max_batch_size=config.max_batch_size,
+                         kv_cache_bytes=config.kv_cache_bytes, swap_space_bytes=config.swap_space_bytes)
     world = getattr(config, "tensor_parallel", 1)
     if world > 1:  # the ranks share the host: each also holds the whole embedding, and is a process
         need.parts[f"embedding in {world - 1} more ranks"] = (world - 1) * count_params(raw).embedding \

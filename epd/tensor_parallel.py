@@ -26,8 +26,8 @@ bench.tp_driver``, gloo over loopback) each load the checkpoint, shard it, prefi
 decode greedily through ``decode_svc.batch.DecodeBatch`` + ``TextModelRunner.decode_step``.
 ``gather_state`` / ``split_state`` move a request's state between degrees (prefill TP=a, decode
 TP=b: gathered to the whole state, then split), as the handoff would carry it.
-The serving role is ``decode_svc.tensor_parallel`` (a decode replica of N ranks); a prefill of
-N ranks is not built.
+The serving roles are ``prefill_svc.tensor_parallel`` and ``decode_svc.tensor_parallel`` (a
+replica of N ranks each, over ``epd.tp_group``).
 """
 
 from __future__ import annotations

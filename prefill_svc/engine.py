@@ -16,6 +16,11 @@ recomputes too), and for that prompt's chunks the runner returns every row's hid
 head and a log-softmax run over them ``PROMPT_LOGPROB_ROWS`` rows at a time, so the float32
 logits held at once stay small. Snapshots of such a prompt are stored as any prompt's (its state
 is the same computation). Other prompts in the same forward pay for their last row only.
+
+Where a prompt's state lives while it is computed is the ``PromptStates`` the engine is given:
+here, whole (``LocalStates``), or a shard on every rank of a tensor-parallel replica
+(``prefill_svc.tensor_parallel``); either way the prefix cache stores and the handoff carries
+the whole state, which ``PromptStates.whole`` gives, on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -97,6 +103,37 @@ class PrefillJob:
         return self.progress.prompt_len - self.embeds.shape[0]
 
 
+class PromptStates(Protocol):
+    """Where the prompts' states live while they are computed. ``start`` may be called on any
+    thread; ``whole`` only on the scheduler thread (it may run collectives); ``end`` on any."""
+
+    def start(self, cached: HybridState | None) -> HybridState:
+        """The state a new prompt computes on: a cached prefix's (a private copy) or an empty one."""
+
+    def whole(self, state: HybridState, release: bool = False) -> HybridState:
+        """The whole state (to store as a snapshot, or to hand off); ``release``: the prompt is
+        done with ``state`` (only the returned whole one is used from here)."""
+
+    def end(self, state: HybridState) -> None:
+        """The prompt ended (done, failed or cancelled): what ``state`` holds elsewhere may go."""
+
+
+class LocalStates:
+    """Every prompt's state whole, in this process."""
+
+    def __init__(self, runner: TextModelRunner) -> None:
+        self.runner = runner
+
+    def start(self, cached: HybridState | None) -> HybridState:
+        return cached if cached is not None else self.runner.new_state()
+
+    def whole(self, state: HybridState, release: bool = False) -> HybridState:
+        return state
+
+    def end(self, state: HybridState) -> None:
+        pass
+
+
 class HeldBytes:
     """The prefill worker's budget for the prompts it holds (queued, running, or waiting to hand
     off), by the bytes each one's state and embeddings come to. ``take`` refuses with
@@ -125,11 +162,14 @@ class HeldBytes:
 
 class PrefillEngine:
     def __init__(self, runner: TextModelRunner, info: ModelInfo, store: EmbeddingStore, config: PrefillConfig,
-                 own_loop: bool = True) -> None:
-        """``own_loop``: run the forwards on a scheduler thread of its own; without it the engine is
+                 states: PromptStates | None = None, own_loop: bool = True) -> None:
+        """``states``: where prompts' states live while computed (default: here, ``LocalStates``;
+        a tensor-parallel replica passes its runner, which keeps a shard on every rank).
+        ``own_loop``: run the forwards on a scheduler thread of its own; without it the engine is
         an ``epd.mixed.ChunkSource`` whose chunks ride another loop's steps (a decode engine on the
         same device: ``take_chunks``, ``chunks_ran``)."""
         self.runner = runner
+        self.states = states or LocalStates(runner)
         self.info = info
         self.store = store
         self.config = config
@@ -266,7 +306,7 @@ class PrefillEngine:
             progress=PromptProgress(prompt_len=len(token_ids), cursor=cached, stops=stops),
             embeds=embeds,
             positions=pos[:, cached:],
-            state=state if state is not None else self.runner.new_state(),
+            state=self.states.start(state),
             block_hashes=hashes,
             rope_delta=rope_delta,
             deadline_unix=request.deadline_unix,
@@ -352,12 +392,12 @@ class PrefillEngine:
             if planned is None:
                 continue
             with forward_turn():
-                try:
-                    out = self.runner.mixed_step(planned.chunks, None, [], [], every_row=planned.every_row)
+                try:  # forward_rows: a tensor-parallel runner has its own
+                    hidden, rows = self.runner.forward_rows(planned.chunks, planned.every_row)
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its prompts, never the loop
                     self.chunks_ran(planned, None, error)
                     continue
-                self.chunks_ran(planned, out, None)
+                self.chunks_ran(planned, StepOutput(hidden, rows, {}, hidden.new_empty(0)), None)
 
     # ------------------------------------------------------------ as a ChunkSource (epd.mixed)
 
@@ -432,13 +472,20 @@ class PrefillEngine:
             job, end = batch[row]
             self._prompt_logprobs(job, out.rows[row], job.progress.cursor, end)
         for row, (job, end) in enumerate(batch):
-            if end in job.progress.stops and self.config.prefix_cache_mb:
-                hashes = job.block_hashes[: end // self.prefix.block_size]
-                if self.prefix.wants(hashes[-1]) and self.prefix.insert(hashes, job.state):
-                    job.stored.append(summary_key(hashes[-1]))
-                    if self.on_stored:
-                        self.on_stored()
-            if end == job.progress.prompt_len:
+            if job.cancelled:  # it left (its state may be gone elsewhere): nothing more of it runs
+                continue
+            last = end == job.progress.prompt_len
+            hashes = job.block_hashes[: end // self.prefix.block_size]
+            snapshot = bool(end in job.progress.stops and self.config.prefix_cache_mb
+                            and self.prefix.wants(hashes[-1]))
+            # the whole state at most once a chunk: a snapshot and the handoff share it
+            whole = self.states.whole(job.state, release=last) if snapshot or last else None
+            if snapshot and self.prefix.insert(hashes, whole):
+                job.stored.append(summary_key(hashes[-1]))
+                if self.on_stored:
+                    self.on_stored()
+            if last:
+                job.state = whole
                 logits = out.chunk_logits.get(row)
                 job.logits = logits if logits is not None else self.runner.logits(out.last_hidden[row])
 
@@ -462,6 +509,7 @@ class PrefillEngine:
             self._scheduler.remove(job.progress)
             if self._jobs.pop(job.progress, None) is None:
                 return  # already finished (cancelled while the scheduler was picking it)
+        self.states.end(job.state)
         job.finished_at = time.perf_counter()
         if job.started_at is None:
             job.started_at = job.finished_at

@@ -148,8 +148,17 @@ class PrefillServer(rpc.RoleServer):
         # before a weight is read: a model or budget that cannot fit is refused in one line
         memory_plan.check_role(serve.model_dir, "prefill", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
-        self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config)
+        self._tp = None
+        states = None
+        if config.tensor_parallel > 1:  # this process is rank 0; it starts and leads the others
+            from prefill_svc.tensor_parallel import TensorParallelGroup
+
+            self._tp = TensorParallelGroup(serve.model_dir, config.tensor_parallel, config.dtype, config.prepack,
+                                           config.num_threads, config.cpus)
+            runner = states = self._tp.runner  # the runner keeps the prompts' states, a shard on every rank
+        else:
+            runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
+        self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config, states=states)
         internal = rpc.internal_transport(serve.security)
         self._decode = discovery.decode_targets(context, internal, serve.replica_wait_s)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),
@@ -168,5 +177,7 @@ class PrefillServer(rpc.RoleServer):
         self._decode.close()
         super().stop(grace_s)
         self.engine.stop()
+        if self._tp is not None:
+            self._tp.stop()
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -51,7 +51,8 @@ def tiny_moe_model_dir(tmp_path_factory) -> str:
 class ServeProcess:
     """`epd serve` in its own session; remembers every descendant so teardown can prove cleanup."""
 
-    def __init__(self, model_dir: str, *extra: str, log_path: str, sigint_ignored: bool = False) -> None:
+    def __init__(self, model_dir: str, *extra: str, log_path: str, sigint_ignored: bool = False,
+                 ready_timeout_s: float = 240) -> None:
         self.log = open(log_path, "w+")
         # sigint_ignored: start it the way a shell script starts a background job (SIGINT ignored,
         # inherited across exec), which must not stop Ctrl-C from stopping it.
@@ -60,7 +61,7 @@ class ServeProcess:
             [sys.executable, "-m", "control.cli", "serve", "--model", model_dir, *extra],
             stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True, preexec_fn=ignore,
         )
-        self.address = self._wait_ready(timeout_s=240)
+        self.address = self._wait_ready(timeout_s=ready_timeout_s)
         self.descendants = psutil.Process(self.proc.pid).children(recursive=True)
 
     def _wait_ready(self, timeout_s: float) -> str:
@@ -114,10 +115,11 @@ def _running(process: psutil.Process) -> bool:
 
 
 @contextmanager
-def serving(model_dir: str, *extra: str, log_path: str) -> Iterator[ServeProcess]:
+def serving(model_dir: str, *extra: str, log_path: str, ready_timeout_s: float = 240) -> Iterator[ServeProcess]:
     """`epd serve` for a fixture: started with ``extra`` flags, stopped after it, every process it
-    started proven gone."""
-    server = ServeProcess(model_dir, *extra, log_path=log_path)
+    started proven gone. ``ready_timeout_s``: how long it may take to start (stacks with more
+    processes, e.g. tensor-parallel replicas, take longer on a loaded machine)."""
+    server = ServeProcess(model_dir, *extra, log_path=log_path, ready_timeout_s=ready_timeout_s)
     try:
         yield server
     finally:
@@ -199,11 +201,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def openai_stack(tiny_model_dir, tmp_path_factory):
-    """A stack of its own per test module with the OpenAI-compatible HTTP front on a free port
-    (``server.http``: host:port), answering to ``OPENAI_MODEL``; ``server.openai`` is an
-    ``openai.OpenAI`` client of it (no retries, 120 s timeout)."""
+    """A stack with the OpenAI-compatible HTTP front on a free port (``server.http``: host:port),
+    answering to ``OPENAI_MODEL``; ``server.openai`` is an ``openai.OpenAI`` client of it (no
+    retries, 120 s timeout). One for the session: the modules that use it (completions, choices,
+    logits processing, compat) only send requests, so they share it rather than each paying a
+    stack's ~30 s start."""
     import openai
 
     port = free_port()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import types
 
 import pytest
@@ -219,3 +220,39 @@ def test_the_layer_bench_times_both_paths(fresh, capsys):
     assert gdn_decode.main(["--batch-sizes", "1,2", "--layers", "2", "--calls", "3"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "fused / torch" in line]
     assert len(lines) == 2 and all("torch path" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_a_build_killed_part_way_does_not_hang_the_next_one(tmp_path, fresh, monkeypatch):
+    """A role killed while building leaves torch's ``lock`` file in the build directory; the next
+    build (here a compiler that fails at once, in a fresh cache) removes it and goes on instead of
+    waiting on it forever. Meanwhile a live builder (another process holding the build's flock) is
+    waited for, and its directory's ``lock`` left alone until it is done."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cxx = tmp_path / "c++"
+    cxx.write_text('#!/bin/sh\ncase "$1" in --version|-v|-dumpversion) exec g++ "$@";; esac\nexit 1\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "library_name", lambda: "epd_gdn_killed_build")
+    directory = tmp_path / "cache" / "epd" / "torch_extensions" / "epd_gdn_killed_build"
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()  # what a builder killed part-way leaves
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(directory / '.epd-build.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        assert fused.ops() is None  # the build ran (and failed) once the holder let go
+        assert time.monotonic() - started > 1.0  # it waited for the live builder
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (directory / "lock").exists()
+    assert (directory / "build.ninja").is_file()  # it did try to build

@@ -13,7 +13,7 @@ import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
 from decode_svc.batch import DecodeBatch
-from epd import fused, kernels, positions
+from epd import fused, kernels, kernels_prefill, positions
 from epd.lm import TextModelRunner
 
 ATOL_FP32 = 1e-4
@@ -235,6 +235,8 @@ def test_runner_uses_epd_kernels(tiny_model_dir, calls, monkeypatch):
     ids = torch.arange(3, 40)
     state = runner.new_state()
     pos, _ = positions.mrope_positions(len(ids), [])
+    # the torch path of a prompt chunk (tests/test_kernels_prefill.py: the fused chunked rule)
+    monkeypatch.setattr(kernels_prefill, "gdn_chunk_op", lambda: None)
     runner.forward(runner.embed(ids), pos, state)  # a prompt chunk
     assert calls["chunk_gated_delta_rule"] == linear_layers and calls["causal_conv1d"] == linear_layers
 

@@ -1,6 +1,6 @@
 """epd/kernels_prefill.py: the oneDNN operator builds here, its float32 products match
 torch.matmul on the shapes and strides the Gated DeltaNet chunk kernel gives it (bit for bit at
-the 0.8b's), the vision
+the 0.8b's), the fused chunked gated delta rule matches the torch path, the vision
 attention matches transformers' SDPA, and a failed build or a switch falls back to torch."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from epd import checkpoint, kernels, kernels_prefill
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """``available()`` recomputed for this test and for the ones after it."""
+    """``available()`` and ``gdn_chunk_op()`` recomputed for this test and for the ones after it."""
     kernels_prefill.available.cache_clear()
+    kernels_prefill.gdn_chunk_op.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
     kernels_prefill.available.cache_clear()
+    kernels_prefill.gdn_chunk_op.cache_clear()
 
 
 def test_the_operator_builds_and_loads_on_this_machine():
@@ -152,7 +154,11 @@ def test_the_benchmarks_run_and_report(tiny_model_dir, capsys):
     import json
     from pathlib import Path
 
-    from bench import prefill_ab, prefill_profile
+    from bench import gdn_chunk, prefill_ab, prefill_profile
+
+    gdn_chunk.main(["--length", "40", "--heads", "2", "--dim", "16", "--rounds", "1", "--calls", "1"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["ms"]) == {"bfloat16", "float32"} and all(r["ratio"] > 0 for r in report["ms"].values())
 
     prefill_profile.main([tiny_model_dir, "--dtypes", "float32", "--cases", "prefill1,vision1", "--repeats", "1"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -162,3 +168,110 @@ def test_the_benchmarks_run_and_report(tiny_model_dir, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for case in ("prefill", "vision"):
         assert len(report[case]["before_s"]) == len(report[case]["after_s"]) == 1 and report[case]["ratio_of_bests"] > 0
+
+
+# ---------------------------------------------------------------- the fused chunked gated delta rule
+
+
+def _gdn_case(length, k_heads, v_heads, dim, dtype, seed=0):
+    """q/k/v as the runner gives them (strided views of one conv output row), g, beta, a state."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(1, length, (2 * k_heads + v_heads) * dim, generator=gen).to(dtype)
+    query, key, value = torch.split(mixed, [k_heads * dim, k_heads * dim, v_heads * dim], dim=-1)
+    query, key = query.reshape(1, length, k_heads, dim), key.reshape(1, length, k_heads, dim)
+    value = value.reshape(1, length, v_heads, dim)
+    g = -torch.rand(1, length, v_heads, generator=gen) * 0.7
+    beta = torch.rand(1, length, v_heads, generator=gen).to(dtype)
+    state = torch.randn(1, v_heads, dim, dim, generator=gen) * 0.1
+    return query, key, value, g, beta, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length,k_heads,v_heads,dim", [(1, 2, 4, 16), (45, 2, 4, 32), (70, 4, 4, 24),
+                                                          (247, 16, 16, 128)])  # the last: the 0.8b's layer
+@pytest.mark.parametrize("with_state", [False, True])
+@torch.inference_mode()
+def test_fused_chunk_rule_matches_the_torch_path(dtype, length, k_heads, v_heads, dim, with_state):
+    assert kernels_prefill.gdn_chunk_op() is not None  # CI's image builds it: a failure would cost the speed-up
+    query, key, value, g, beta, state = _gdn_case(length, k_heads, v_heads, dim, dtype)
+    initial = state.transpose(-1, -2).contiguous().transpose(-1, -2) if with_state else None  # any strides
+    before = state.clone()
+    kwargs = dict(chunk_size=32, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, ours_state = kernels_prefill.chunk_gated_delta_rule(query, key, value, g, beta, **kwargs)
+    expected, expected_state = kernels.chunk_gated_delta_rule(query, key, value, g, beta, **kwargs)
+    assert ours.dtype == dtype and ours.shape == expected.shape and (initial is None or torch.equal(initial, before))
+    # float32: the order of float32 sums; bfloat16: the output's rounding (the state stays float32)
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(ours_state, expected_state, rtol=1e-5, atol=2e-6)
+
+
+@torch.inference_mode()
+def test_fused_chunk_rule_continues_across_calls_and_without_l2norm():
+    query, key, value, g, beta, _ = _gdn_case(80, 2, 4, 32, torch.float32, seed=5)
+    whole, whole_state = kernels_prefill.chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=32,
+                                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+    first, state = kernels_prefill.chunk_gated_delta_rule(query[:, :50], key[:, :50], value[:, :50], g[:, :50],
+                                                          beta[:, :50], chunk_size=32, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
+    second, state = kernels_prefill.chunk_gated_delta_rule(query[:, 50:], key[:, 50:], value[:, 50:], g[:, 50:],
+                                                           beta[:, 50:], chunk_size=32, initial_state=state,
+                                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, whole_state, rtol=1e-5, atol=1e-5)
+    unnormed = [t * 0.2 for t in (query, key)]
+    ours, none = kernels_prefill.chunk_gated_delta_rule(*unnormed, value, g, beta, chunk_size=16)
+    expected, _ = kernels.chunk_gated_delta_rule(*unnormed, value, g, beta, chunk_size=16)
+    assert none is None
+    torch.testing.assert_close(ours, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_the_fused_rule_refuses_inputs_it_does_not_serve():
+    query, key, value, g, beta, state = _gdn_case(8, 2, 4, 16, torch.float32)
+    op = kernels_prefill.gdn_chunk_op()
+    with pytest.raises(RuntimeError, match="state must be float32"):
+        op(query, key, value, g, beta, state.double(), 8, True)
+    with pytest.raises(RuntimeError, match="multiple of key heads"):
+        op(query[:, :, :1].expand(1, 8, 3, 16), key[:, :, :1].expand(1, 8, 3, 16), value, g, beta, state, 8, True)
+    with torch.inference_mode():  # float16 is not the op's: the torch path runs
+        half = [t.half() for t in (query, key, value)]
+        out, _ = kernels_prefill.chunk_gated_delta_rule(*half, g, beta.half(), chunk_size=8)
+        assert out.dtype == torch.float16
+
+
+def test_the_runner_prefills_through_the_fused_rule_and_agrees_with_the_torch_path(tiny_model_dir, fresh):
+    from epd import lm, positions
+
+    runner = lm.TextModelRunner.load(tiny_model_dir)
+    calls = []
+    fused_rule = kernels_prefill.chunk_gated_delta_rule
+    fresh.setattr(kernels_prefill, "chunk_gated_delta_rule", lambda *a, **k: calls.append(1) or fused_rule(*a, **k))
+    embeds = runner.embed(torch.arange(70) % runner.vocab_size)
+    pos, _ = positions.mrope_positions(70, [])
+    ours = runner.forward(embeds, pos, runner.new_state())
+    assert calls
+    fresh.setenv("EPD_PREFILL_KERNELS", "0")
+    kernels_prefill.gdn_chunk_op.cache_clear()
+    calls.clear()
+    expected = runner.forward(embeds, pos, runner.new_state())
+    assert not calls
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_vision_mlps_gelu_rides_in_the_packed_first_layer(tiny_model_dir, dtype, fresh):
+    towers = []
+    for switch in ("1", "0"):
+        fresh.setenv("EPD_PREFILL_KERNELS", switch)
+        vision = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype)
+        kernels.prepack_linears(vision)
+        assert kernels_prefill.fuse_mlp_activations(vision) == (len(vision.blocks) if switch == "1" else 0)
+        towers.append(vision)
+    fused_mlp = towers[0].blocks[0].mlp
+    assert isinstance(fused_mlp.linear_fc1, kernels_prefill.PackedLinearGelu)
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ours, plain = (tower(pixels, grid_thw=grid).pooler_output.float() for tower in towers)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours, plain, rtol=tolerance, atol=tolerance)

@@ -6,7 +6,8 @@ the whole state. Greedy tokens equal transformers' generate (float32) for text, 
 concurrent requests sharing steps; a follower rank killed under a stream takes its replica down,
 the stream resumes on the other decode replica and the killed one comes back (these three start
 stacks: slow). In the default suite: the same engine and ranks without a stack (rank 0 in the
-test process, rank 1 a real process), preemption by swap included, and the configuration."""
+test process, rank 1 a real process), preemption by swap included, and the configuration of
+both roles' degrees (prefill's replica of N ranks: tests/test_tp_prefill.py)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_a_killed_follower_rank_restarts_its_replica_and_no_request_fails(tiny_m
 # ------------------------------------------------------------------ configuration (no stack)
 
 
-def _decode_config(model_dir: str, *argv: str, roles: str = "", tmp_path=None):
+def _serve_config(model_dir: str, *argv: str, roles: str = "", tmp_path=None):
     from control import cli, flags
 
     config_file = None
@@ -135,35 +136,40 @@ def _decode_config(model_dir: str, *argv: str, roles: str = "", tmp_path=None):
         config_file = str(tmp_path / "roles.toml")
         (tmp_path / "roles.toml").write_text(roles)
     args = cli._parser().parse_args(["serve", "--model", model_dir, *argv])
-    return flags.deploy_config(args, flags.SERVE, config_file).serve.decode
+    return flags.deploy_config(args, flags.SERVE, config_file).serve
 
 
-def test_tensor_parallel_from_the_flag_or_the_roles_file(tiny_model_dir, tmp_path):
-    assert _decode_config(tiny_model_dir).tensor_parallel == 1
-    assert _decode_config(tiny_model_dir, "--decode-tensor-parallel", "2", "--decode-threads", "1").tensor_parallel == 2
-    roles = "[roles.decode]\nnum_cpus = 2\ntensor_parallel = 2\n"
-    assert _decode_config(tiny_model_dir, roles=roles, tmp_path=tmp_path).tensor_parallel == 2
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_tensor_parallel_from_the_flag_or_the_roles_file(tiny_model_dir, tmp_path, role):
+    other = {"prefill": "decode", "decode": "prefill"}[role]
+    assert getattr(_serve_config(tiny_model_dir), role).tensor_parallel == 1
+    flagged = _serve_config(tiny_model_dir, f"--{role}-tensor-parallel", "2", f"--{role}-threads", "1")
+    assert getattr(flagged, role).tensor_parallel == 2 and getattr(flagged, other).tensor_parallel == 1
+    roles = f"[roles.{role}]\nnum_cpus = 2\ntensor_parallel = 2\n"
+    assert getattr(_serve_config(tiny_model_dir, roles=roles, tmp_path=tmp_path), role).tensor_parallel == 2
     # the flag wins over the file
-    assert _decode_config(tiny_model_dir, "--decode-tensor-parallel", "1", roles=roles,
-                          tmp_path=tmp_path).tensor_parallel == 1
+    assert getattr(_serve_config(tiny_model_dir, f"--{role}-tensor-parallel", "1", roles=roles,
+                                 tmp_path=tmp_path), role).tensor_parallel == 1
 
 
 @pytest.mark.parametrize("argv, roles, message", [
     (["--decode-tensor-parallel", "0"], "", "decode.tensor_parallel: must be in [1, 64], got 0"),
-    ([], "[roles.prefill]\ntensor_parallel = 2\n", "tensor_parallel is served for decode only"),
+    (["--prefill-tensor-parallel", "65"], "", "prefill.tensor_parallel: must be in [1, 64], got 65"),
+    ([], "[roles.encoder]\ntensor_parallel = 2\n", "tensor_parallel is served for prefill and decode only"),
     ([], "[roles.decode]\ntensor_parallel = \"two\"\n", "roles.decode.tensor_parallel: must be an integer"),
+    ([], "[roles.prefill]\ntensor_parallel = 2.0\n", "roles.prefill.tensor_parallel: must be an integer"),
 ])
 def test_a_bad_tensor_parallel_is_refused_naming_it(tiny_model_dir, tmp_path, argv, roles, message):
     from epd.config import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        _decode_config(tiny_model_dir, *argv, roles=roles, tmp_path=tmp_path)
+        _serve_config(tiny_model_dir, *argv, roles=roles, tmp_path=tmp_path)
 
 
 def test_a_shard_loaded_in_bfloat16_from_float32_files_equals_a_cut_of_the_bfloat16_model(tiny_model_dir):
     """load_shard opens the float32 files as stored and converts each slice as it is cut: the same
     tensors as loading the whole model in bfloat16 and cutting it."""
-    from decode_svc.tensor_parallel import load_shard
+    from epd.tp_group import load_shard
     from epd.lm import TextModelRunner
     from epd.tensor_parallel import shard_runner
 
@@ -178,31 +184,37 @@ def test_a_shard_loaded_in_bfloat16_from_float32_files_equals_a_cut_of_the_bfloa
         assert shard.lm_head_weight is shard.model.embed_tokens.weight  # tiny ties its head: still tied
 
 
-def test_serve_refuses_a_degree_the_model_does_not_split_by_before_ray_starts(tiny_model_dir, capsys):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_serve_refuses_a_degree_the_model_does_not_split_by_before_ray_starts(tiny_model_dir, capsys, role):
     from control import cli
 
     started = time.monotonic()
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["serve", "--model", tiny_model_dir, "--decode-tensor-parallel", "3"])
+        cli.main(["serve", "--model", tiny_model_dir, f"--{role}-tensor-parallel", "3"])
     assert exit_.value.code == 2 and time.monotonic() - started < 10
     err = capsys.readouterr().err
-    assert "decode.tensor_parallel = 3: the model does not split over 3 ranks (num_attention_heads 4, " \
+    assert f"{role}.tensor_parallel = 3: the model does not split over 3 ranks (num_attention_heads 4, " \
            "num_key_value_heads 2" in err and "Traceback" not in err
 
 
-def test_the_memory_plan_counts_what_each_more_rank_holds(tiny_model_dir):
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_memory_plan_counts_what_each_more_rank_holds(tiny_model_dir, role):
     import dataclasses
 
     from epd import memory_plan
-    from epd.config import DecodeConfig, ServeConfig
+    from epd.config import DecodeConfig, PrefillConfig, ServeConfig
 
     raw = memory_plan.read_raw_config(tiny_model_dir)
     one = ServeConfig(model_dir=tiny_model_dir)
-    two = dataclasses.replace(one, decode=DecodeConfig(tensor_parallel=2))
-    plain, split = memory_plan.need_of_role(raw, "decode", one), memory_plan.need_of_role(raw, "decode", two)
+    config = {"prefill": PrefillConfig, "decode": DecodeConfig}[role](tensor_parallel=2)
+    two = dataclasses.replace(one, **{role: config})
+    plain, split = memory_plan.need_of_role(raw, role, one), memory_plan.need_of_role(raw, role, two)
     embedding = memory_plan.count_params(raw).embedding * 4
     assert split.total - plain.total == embedding + 512 * memory_plan.MIB
     assert split.parts["embedding in 1 more ranks"] == embedding
+    # and the other role is untouched
+    other = "decode" if role == "prefill" else "prefill"
+    assert memory_plan.need_of_role(raw, other, two).total == memory_plan.need_of_role(raw, other, one).total
 
 
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-moe", marks=pytest.mark.slow)])
