@@ -20,9 +20,10 @@ $(VENV)/.installed: pyproject.toml
 	# torch first, pinned: the CPU wheel, not a multi-gigabyte CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	# the C++ operators (epd/csrc: prefill's oneDNN matmul and fused GDN chunk rule, decode's fused GDN step), compiled once
-	# into the user's cache dir (a role would otherwise build them at its start)
-	$(PY) -c "from epd import fused, kernels_prefill; kernels_prefill.available(); kernels_prefill.gdn_chunk_op(); fused.ops()"
+	# the C++ operators (epd/csrc: prefill's oneDNN matmul and fused GDN chunk rule, decode's fused
+	# GDN step, decode's linear layers, norms and attention), compiled once into the user's cache
+	# dir (a role would otherwise build them at its start)
+	$(PY) -c "from epd import fused, kernels_prefill; kernels_prefill.available(); kernels_prefill.gdn_chunk_op(); fused.ops(); fused.decode_ops()"
 	touch $@
 
 $(MODEL)/config.json: | install

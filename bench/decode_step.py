@@ -46,11 +46,14 @@ def weight_bytes_per_step(runner: TextModelRunner) -> int:
     """Bytes of weights one decode step reads: everything but the embedding table, plus the LM
     head; for a MoE model every routed expert counted (see ``expert_split`` for the real read)."""
     total = 0
-    # pre-packed linear weights (epd.kernels.PackedLinear) are buffers, not parameters
-    packed = [(name, t) for name, t in runner.model.named_buffers() if t.is_mkldnn]
-    for name, param in [*runner.model.named_parameters(), *packed]:
+    for name, param in runner.model.named_parameters():
         if not name.startswith("embed_tokens."):
             total += param.numel() * param.element_size()
+    # pre-packed linear weights (epd.kernels.PackedLinear, DecodeLinear) are buffers, not
+    # parameters, and a DecodeLinear's is padded to whole panels: count the weight itself
+    for module in runner.model.modules():
+        if isinstance(module, (kernels.PackedLinear, kernels.DecodeLinear)):
+            total += module.out_features * module.in_features * module.dtype.itemsize
     head = runner.lm_head_weight
     return total + head.numel() * head.element_size()
 
@@ -93,8 +96,9 @@ class ExpertCounter:
 
 def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -> float:
     """Bytes per second one large matrix-vector product streams (median of ``repeats``), by the
-    faster of ATen's ``F.linear`` and oneDNN with a pre-packed weight (what the runner uses on
-    a CPU, ``epd.kernels.PackedLinear``): the floor is the best this machine streams weights."""
+    fastest of ATen's ``F.linear``, oneDNN with a pre-packed weight (``epd.kernels.PackedLinear``)
+    and epd's decode kernel (``epd.kernels.DecodeLinear``, what a decode replica uses on a CPU):
+    the floor is the best this machine streams weights."""
     cols = 1024
     rows = _GEMV_BYTES // (cols * torch.empty((), dtype=dtype).element_size())
     matrix = torch.randn(rows, cols, dtype=torch.float32, device=device).to(dtype)
@@ -102,6 +106,8 @@ def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -
     products = [functools.partial(torch.nn.functional.linear, weight=matrix)]
     if kernels.can_prepack(device, dtype):
         products.append(kernels.PackedLinear(matrix))
+    if kernels.can_decode_pack(matrix):
+        products.append(kernels.DecodeLinear(matrix))
     best = min(_median_time(product, vector, device, repeats) for product in products)
     return matrix.numel() * matrix.element_size() / best
 
@@ -155,7 +161,7 @@ def run_decode_step_bench(model_dir: str, batch_sizes: list[int], dtype: str = "
                           json_path: str | None = None) -> dict:
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
-    runner = TextModelRunner.load(model_dir, dtype=dtype)
+    runner = TextModelRunner.load(model_dir, dtype=dtype, decode=True)  # as a decode replica loads it
     weights = weight_bytes_per_step(runner)
     dense, expert_bytes, moe_layers = expert_split(runner)
     bandwidth = gemv_bandwidth(runner.dtype, runner.device)

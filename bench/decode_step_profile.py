@@ -1,5 +1,11 @@
 """One batched decode step in a loop, for profilers: ``python -m bench.decode_step_profile MODEL
-[--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]``.
+[--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]
+[--linears decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]``.
+
+The runner is loaded as a decode replica loads it (merged projections, the fused
+residual add + RMSNorm, the full-attention step in two calls); ``--linears decode`` puts the
+linear layers on epd's few-row kernel (a decode replica's default; this tool's is oneDNN), the other options turn each
+part off, to measure what each is worth.
 
 Prints the median wall and CPU time of a step (after 3 warm-up steps). Run it under
 ``py-spy record`` to see where a step goes by Python line, or with ``--table`` for torch's
@@ -16,7 +22,7 @@ import time
 import torch
 
 from decode_svc.batch import DecodeBatch
-from epd import positions
+from epd import kernels, lm, positions
 from epd.lm import TextModelRunner
 
 
@@ -29,9 +35,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--table", action="store_true", help="print torch's profiler table for 5 more steps")
+    parser.add_argument("--linears", choices=["decode", "onednn"], default="onednn",
+                        help="decode: epd's few-row kernel (a replica's default; EPD_DECODE_LINEAR=0 there: onednn)")
+    parser.add_argument("--no-merge", dest="merge", action="store_false")
+    parser.add_argument("--no-fused-norms", dest="fused_norms", action="store_false")
+    parser.add_argument("--no-paged-attention", dest="paged_attention", action="store_false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = TextModelRunner.load(args.model, dtype=args.dtype)
+    runner = TextModelRunner.load(args.model, dtype=args.dtype, prepack=False)
+    runner.prepack_linears(decode=True, merge=args.merge, few_rows=args.linears == "decode")
+    if not args.fused_norms:
+        runner._fused_norms = lambda hidden: False
+    if not args.paged_attention:
+        kernels.can_attend_paged = lambda query, pool: False
+        lm._fused_attention = lambda attn, x, batch: False
     vocab = runner.lm_head_weight.shape[0]
     pos, _ = positions.mrope_positions(args.context, [])
     batch = DecodeBatch(runner)
@@ -49,7 +66,9 @@ def main() -> None:
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
         position += 1
-    print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s): "
+    print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s), "
+          f"linears {args.linears}, merge {args.merge}, fused norms {args.fused_norms}, "
+          f"paged attention {args.paged_attention}: "
           f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU")
     if args.table:
         from torch.profiler import ProfilerActivity, profile

@@ -182,9 +182,20 @@ class DecodeBatch:
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(0, step.write, key[:, :, 0])
         values.index_copy_(0, step.write, value[:, :, 0])
+        if kernels.can_attend_paged(query, keys):  # every slot in one C++ call, reading the pool in place
+            return kernels.paged_decode_attention(query, keys, values, step.flat_runs(), step.offsets(), scale)
         outs = [kernels.decode_attention(query[slot : slot + 1], _rows_of(keys, runs), _rows_of(values, runs), scale)
                 for slot, runs in enumerate(step.runs)]
         return torch.cat(outs)
+
+    def paged(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """What a fused kernel needs to store this step's K/V of full-attention layer ``layer`` and
+        attend in place (``kernels.attention_decode_inputs``, ``kernels.paged_decode_attention``):
+        the pools ``keys``, ``values`` ``[rows, kv_heads, dim]``, the row each slot writes
+        ``[slots]``, every slot's row runs ``[R, 2]`` (its tokens and the new one) and their offsets
+        ``[slots + 1]``."""
+        step = self._step_index()
+        return self.keys[layer], self.values[layer], step.write, step.flat_runs(), step.offsets()
 
     # ------------------------------------------------------------ rows
 
@@ -225,7 +236,23 @@ def _rows_of(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
 
 
 class _StepIndex:
-    __slots__ = ("write", "runs")
+    __slots__ = ("write", "runs", "_flat")
 
     def __init__(self, write: torch.Tensor, runs: list[list[tuple[int, int]]]) -> None:
         self.write, self.runs = write, runs
+        self._flat: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def flat_runs(self) -> torch.Tensor:
+        """Every slot's runs as one ``[R, 2]`` int64 tensor of (start, stop) pool rows, in slot order."""
+        return self._tensors()[0]
+
+    def offsets(self) -> torch.Tensor:
+        """``[slots + 1]``: slot ``s`` owns ``flat_runs()[offsets[s]:offsets[s + 1]]``."""
+        return self._tensors()[1]
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._flat is None:
+            counts = [0] + [len(runs) for runs in self.runs]
+            self._flat = (torch.tensor([run for runs in self.runs for run in runs], dtype=torch.long),
+                          torch.tensor(counts, dtype=torch.long).cumsum(0))
+        return self._flat

@@ -313,7 +313,14 @@ class DecodeEngine:
     def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:
         """Under the lock: sample each row and hand the token to its request. A row whose logits
         are not finite (a numerical blow-up in that request alone) fails only that request."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # one pass over the logits for both checks: a row's min and max are finite exactly when
+        # every value is (NaN propagates through both)
+        low, high = torch.aminmax(logits, dim=-1)
+        finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
+        # rows whose choice is the plain argmax (greedy, nothing changes the logits, no logprobs):
+        # one batched argmax for them all, the same first-maximum index ``sample`` would pick
+        plain = [request.sampling.plain_greedy for request in members]
+        argmax = logits.argmax(dim=-1).tolist() if any(plain) else None
         for row, request in enumerate(members):
             if request.status is RequestStatus.FINISHED:  # cancelled during the step
                 continue
@@ -323,9 +330,12 @@ class DecodeEngine:
                 self.scheduler.finish(request, FinishReason.ERROR)
                 continue
             try:
-                token, logprobs = sample(logits[row], request.sampling, step=request.num_generated,
-                                         history=request.history, eos_token_ids=self.eos_token_ids,
-                                         grammar=request.grammar)
+                if plain[row]:
+                    token, logprobs = argmax[row], None
+                else:
+                    token, logprobs = sample(logits[row], request.sampling, step=request.num_generated,
+                                             history=request.history, eos_token_ids=self.eos_token_ids,
+                                             grammar=request.grammar)
             except Exception:  # noqa: BLE001 - a request's own sampling failure fails it alone, never the loop
                 log.exception("decode: sampling failed for %s at step %d", request.log_name, request.num_generated)
                 self.scheduler.finish(request, FinishReason.ERROR)

@@ -151,7 +151,7 @@ class DecodeServer(rpc.RoleServer):
                                            config.num_threads, config.cpus)
             runner, make_batch = self._tp.runner, self._tp.make_batch
         else:
-            runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
+            runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack, decode=True)
         runner.prepare_decode_kernels()  # a first build happens here, before this replica registers
         self.engine = DecodeEngine(runner, info.eos_token_ids, config,
                                    grammar_tokenizer=lambda: grammar_tokenizer_for(info), make_batch=make_batch)

@@ -1,5 +1,9 @@
 """Fused CPU kernels written in C++ (``epd/csrc``), compiled on this machine at first use.
 
+Two libraries: ``epd/csrc/gdn_decode.cpp`` (below) and ``epd/csrc/decode_ops.cpp``
+(``decode_ops()``: decode's few-row linear layers, residual add + RMSNorm, and full-attention
+step, used through ``epd.kernels``).
+
 ``gdn_decode_step`` is one decode token of a Gated DeltaNet layer for a whole batch (conv step,
 q/k L2 norm, decay and beta, the recurrent state update and read-out, the gated RMSNorm) in one
 call that reads and writes each slot's float32 state once: ``epd/csrc/gdn_decode.cpp`` says
@@ -15,8 +19,8 @@ environment, which pins other torch and transformers versions).
 The build: ``torch.utils.cpp_extension.load`` (g++ and ninja, both on the project's machines),
 ``-O3 -march=native`` so the compiler vectorises the loops for this CPU; the result is cached
 under ``$XDG_CACHE_HOME/epd/torch_extensions`` (``~/.cache`` by default), one directory per torch
-version and CPU (``-march=native`` code must not be loaded on another CPU), so later processes
-load it in well under a second. ``EPD_FUSED_KERNELS=0`` turns the kernels off (the torch path
+version, CPU (``-march=native`` code must not be loaded on another CPU) and version of the
+sources, so later processes load it in well under a second. ``EPD_FUSED_KERNELS=0`` turns the kernels off (the torch path
 runs); if the compiler is missing or the build fails, one warning is logged and the torch path
 runs.
 """
@@ -74,9 +78,24 @@ def torch_tag() -> str:
     return torch.__version__.replace("+", "_").replace(".", "_")
 
 
+def native_name(prefix: str) -> str:
+    """A ``-march=native`` build's name: per torch version, CPU (``_cpu_key``) and version of the
+    C++ sources (``_source_key``: two epd trees on one machine share the cache directory, and
+    a build under one name would otherwise be replaced by each tree's in turn)."""
+    return f"{prefix}_{torch_tag()}_{_cpu_key()}_{_source_key()}"
+
+
+def _source_key() -> str:
+    """A short hash of every C++ source and header in ``epd/csrc``."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE.parent.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def library_name() -> str:
-    """The build's name: per torch version and CPU (``_cpu_key``)."""
-    return f"epd_gdn_{torch_tag()}_{_cpu_key()}"
+    """The fused GDN step's build name."""
+    return native_name("epd_gdn")
 
 
 def compile_library(name: str, source: Path, cflags: list[str], directory: Path | None = None,
@@ -94,7 +113,11 @@ def compile_library(name: str, source: Path, cflags: list[str], directory: Path 
     directory = Path(directory) if directory is not None else cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
-        cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory), extra_cflags=cflags,
+        # -fopenmp: at::parallel_for is a header template that splits its range over threads only
+        # when compiled with OpenMP (without it every kernel ran on one thread); the library's
+        # libgomp.so.1 is the one torch already loaded (same soname)
+        cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
+                           extra_cflags=[*cflags, "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=verbose)
 
 
@@ -155,10 +178,49 @@ def ops():
 
 
 def reset() -> None:
-    """Forget the outcome of the last ``ops()`` (tests: the next call decides again; a library
-    already loaded stays loaded)."""
+    """Forget the outcome of the last ``ops()`` and ``decode_ops()`` (tests: the next call decides
+    again; a library already loaded stays loaded)."""
     with _lock:
         _state.pop("ops", None)
+        _state.pop("decode", None)
+
+
+DECODE_SOURCE = Path(__file__).with_name("csrc") / "decode_ops.cpp"
+
+
+def decode_ops() -> bool:
+    """Whether ``torch.ops.epd_decode`` (``epd/csrc/decode_ops.cpp``: decode's few-row linear
+    layers and the fused residual add + RMSNorm) can be used: built or loaded at the first call,
+    then checked against ``F.linear`` on a small product. False when turned off
+    (``EPD_FUSED_KERNELS=0``) or when the build or the check failed (one warning per process;
+    the callers keep oneDNN and the torch norms). Needs AVX-512 BF16 (``-march=native``)."""
+    if not enabled():
+        return False
+    if "decode" not in _state:
+        with _lock:
+            if "decode" not in _state:
+                _state["decode"] = _load_decode_ops()
+    return bool(_state["decode"])
+
+
+def _load_decode_ops() -> bool:
+    try:
+        if "decode_loaded" not in _state:
+            compile_library(native_name("epd_decode"), DECODE_SOURCE, ["-O3", "-march=native"])
+            _state["decode_loaded"] = True
+        gen = torch.Generator().manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16):
+            weight, x = torch.randn(37, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+            out = torch.ops.epd_decode.linear(x, torch.ops.epd_decode.pack(weight), 37, None)
+            if not torch.allclose(out.float(), (x.float() @ weight.float().t()), rtol=2e-2, atol=2e-2):
+                raise RuntimeError(f"its self-check disagrees with F.linear in {dtype}")
+        return True
+    except Exception as error:  # a missing compiler or instruction set, a failed build: oneDNN stays
+        lines = str(error).strip().splitlines() or [""]
+        reason = next((line for line in lines if "error:" in line), lines[-1])
+        log.warning("decode CPU kernels unavailable, using oneDNN and the torch norms (%s: %s)",
+                    type(error).__name__, reason.strip())
+        return False
 
 
 
@@ -175,12 +237,19 @@ def gdn_decode_step(mixed: torch.Tensor, window: torch.Tensor, constants: tuple[
                     a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
                     state: torch.Tensor, k_heads: int, k_dim: int, v_dim: int, op=None) -> torch.Tensor:
     """One decode token of Gated DeltaNet for ``B`` slots: ``mixed [B, conv_dim]`` (in_proj_qkv's
-    output), the time-major conv ``window [B, K, conv_dim]`` and the float32 ``state [B, v_heads,
+    output; it, ``a``, ``b`` and ``z`` may be column slices of one merged product: rows strided,
+    each contiguous), the time-major conv ``window [B, K, conv_dim]`` and the float32 ``state [B, v_heads,
     k_dim, v_dim]`` (both updated in place, contiguous), the layer's ``gdn_constants``, in_proj_a's
     and in_proj_b's outputs ``a``/``b`` ``[B, v_heads]``, the gate ``z [B, v_heads * v_dim]``, the
     gated norm's weight and epsilon. Returns the gated-normed core ``[B, v_heads * v_dim]`` in the
     model dtype (out_proj's input). ``op``: the fused op (default ``ops()``, which must not be None)."""
     op = op or ops()
     taps, bias, neg_a_exp, dt_bias = constants
-    return op(mixed.contiguous(), window, taps, bias, a.contiguous(), b.contiguous(), neg_a_exp, dt_bias,
-              z.contiguous(), norm_weight.contiguous(), float(norm_eps), state, k_heads, k_dim, v_dim)
+    return op(_rows(mixed), window, taps, bias, _rows(a), _rows(b), neg_a_exp, dt_bias, _rows(z),
+              norm_weight.contiguous(), float(norm_eps), state, k_heads, k_dim, v_dim)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[B, n]`` rows, each contiguous (a merged projection's column slice stays a view)."""
+    t = t.reshape(t.shape[0], -1)
+    return t if t.stride(-1) == 1 else t.contiguous()

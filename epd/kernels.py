@@ -13,7 +13,10 @@ rule reads the recurrent state a dozen times), and the packages they would defer
 docs/bench/kernels.md). The GDN kernels are plain torch, so the same code runs on CUDA.
 Accumulation is float32 wherever transformers keeps it in float32.
 
-It also owns ``PackedLinear``, the runner's linear layers on a CPU (oneDNN with pre-packed weights).
+It also owns the runner's linear layers on a CPU: ``PackedLinear`` (oneDNN with pre-packed
+weights, every role), ``DecodeLinear`` (epd's few-row kernel, ``epd/csrc/decode_ops.cpp``, for
+decode steps) and ``MergedLinear`` (projections that read the same input as one product), and
+``add_rms_norm``, the decoder layers' residual add + RMSNorm in one call.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from epd import kernels_prefill
+from epd import fused, kernels_prefill
 
 _L2_EPS = 1e-6  # transformers' l2norm epsilon (matches the FLA library)
 
@@ -324,13 +327,120 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def prepack_linears(module: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` (in place); returns how
-    many. For inference only: a packed weight has no gradient."""
+def prepack_linears(module: torch.nn.Module, make=PackedLinear) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(weight, bias)`` (default a
+    ``PackedLinear``), in place; returns how many. For inference only: a packed weight has no
+    gradient."""
     count = 0
     for parent in module.modules():
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, make(child.weight, child.bias))
                 count += 1
     return count
+
+
+class DecodeLinear(torch.nn.Module):
+    """``nn.Linear`` for a decode step's few rows: the weight laid out once in panels of 16 output
+    columns (``torch.ops.epd_decode.pack``) and multiplied by epd's AVX-512 kernel, which reads
+    each weight vector once for all the rows (bfloat16 with ``vdpbf16ps``, float32 with FMAs).
+
+    Why: oneDNN's pre-packed GEMM, the best library kernel here, reads the weights of a
+    batch-8 bfloat16 decode step at well under the memory bandwidth, and splits each product
+    over the threads up front, so a thread that loses its core (to a co-located role, the
+    router, a neighbour) holds up the whole product; this kernel's threads claim small tasks
+    from a shared counter. Whole bfloat16 decode steps of qwen3.5-0.8b: batch 8 92.7/105.3 ms
+    against oneDNN's 112.3/110.5, 130.9/120.6 against 150.3/154.9 with other processes taking a
+    fifth of the cores; at 256 rows it is level with oneDNN product by product
+    (docs/BENCHMARKS.md, "The few-row kernel as the default"). A decode runner uses it unless
+    ``EPD_DECODE_LINEAR=0``. Any number of rows is correct (8 at a time over the same panels).
+    Needs ``fused.decode_ops()``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.register_buffer("weight", torch.ops.epd_decode.pack(weight.detach()), persistent=False)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # a view for decode's [B, 1, K] inputs
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.ops.epd_decode.linear(rows, self.weight, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_decode_pack(weight: torch.Tensor) -> bool:
+    """Whether ``DecodeLinear`` serves this weight (a CPU, bfloat16 or float32, an even input
+    width in bfloat16, the kernel built)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0) and fused.decode_ops()
+
+
+class MergedLinear(torch.nn.Module):
+    """Linear layers that read the same input, as one product over their stacked weights (what
+    vLLM's ``MergedColumnParallelLinear``/``QKVParallelLinear`` do): one call and one pass over
+    the input instead of several. ``forward`` returns each layer's output, views of one tensor
+    (``[..., out_i]``, rows strided by the sum). ``make`` builds the product from the stacked
+    weight (``PackedLinear``, ``DecodeLinear``, or a plain ``nn.Linear``)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], make) -> None:
+        super().__init__()
+        if any(linear.bias is not None for linear in linears):
+            raise ValueError("MergedLinear merges layers without bias")
+        self.sizes = [linear.out_features for linear in linears]
+        self.linear = make(torch.cat([linear.weight.detach() for linear in linears]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}"
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm (float32 math, ``(1 + weight)``) of ``residual + x`` for ``[rows, dim]``
+    rows, in one call; ``residual`` becomes ``residual + x`` in place (rounded to its dtype, as
+    torch's add). ``x`` None: the norm of ``residual`` alone. Needs ``fused.decode_ops()``."""
+    return torch.ops.epd_decode.add_rms_norm(x, residual, weight, eps)
+
+
+def can_attend_paged(query: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` serves this step (a CPU, bfloat16 or float32, a head dim
+    that is a multiple of 16, the kernels built)."""
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float32)
+            and pool.dtype == query.dtype and query.shape[-1] % 16 == 0 and fused.decode_ops())
+
+
+def paged_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: torch.Tensor,
+                           offsets: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's attention for every slot in one call: ``query [B, heads, 1, dim]`` (or
+    ``[B, heads, dim]``; rotated) against the paged pool ``keys``/``values`` ``[rows, kv_heads,
+    dim]``, slot ``s`` reading the row runs ``runs[offsets[s]:offsets[s + 1]]`` (``[R, 2]``
+    (start, stop)). Grouped-query as ``decode_attention``; float32 math in any dtype (what
+    ``decode_attention`` computes, one request at a time, with a conversion and four small ops
+    per request). Returns ``[B, heads, 1, dim]`` in the query's dtype; with ``gate`` (the merged
+    projection's query part ``[B, heads * 2 * dim]``: per head its query, then its gate) the
+    gated output ``out * sigmoid(gate)``, ``[B, heads * dim]``, as Qwen3.5's attention gates it."""
+    rows = query.reshape(query.shape[0], query.shape[1], -1).contiguous()
+    out = torch.ops.epd_decode.attend(rows, keys, values, runs, offsets, scale, gate)
+    return out if gate is not None else out.unsqueeze(2)
+
+
+def attention_decode_inputs(query_gate: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm, k_norm,
+                            cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            write: torch.Tensor) -> torch.Tensor:
+    """A full-attention layer's decode inputs in one call, from its merged projection's parts
+    (``query_gate [B, heads * 2 * dim]``, ``key``/``value`` ``[B, kv_heads * dim]``, rows may be
+    strided): the per-head ``q_norm``/``k_norm`` (Qwen3.5 RMSNorms), the partial rotary embedding
+    ``cos``/``sin`` ``[B, rotary_dim]`` as transformers' ``apply_rotary_pos_emb`` computes it,
+    rounded where it rounds; keys and values are written into the pools' rows ``write [B]``.
+    Returns the rotated queries ``[B, heads, dim]``."""
+    return torch.ops.epd_decode.attention_inputs(query_gate, key, value, q_norm.weight, k_norm.weight, q_norm.eps,
+                                                 cos, sin, keys, values, write)

@@ -120,14 +120,14 @@ GDN_CHUNK_DTYPES = (torch.bfloat16, torch.float32)
 @functools.cache
 def gdn_chunk_op():
     """The fused chunked gated delta rule (``epd/csrc/gdn_chunk.cpp``), built (``-O3
-    -march=native``: one build per torch version and CPU, like the decode kernel) or loaded once
+    -march=native``: one build per torch version, CPU and version of the C++ sources, like the decode kernel) or loaded once
     per process; None, with one warning, when it cannot be had, or None when
     ``EPD_PREFILL_KERNELS=0``."""
     if _switched_off():
         return None
     from epd import fused
 
-    name = f"epd_gdn_chunk_{fused.torch_tag()}_{fused._cpu_key()}"
+    name = fused.native_name("epd_gdn_chunk")  # per torch, CPU and version of the C++ sources
     try:
         fused.compile_library(name, _GDN_SOURCE, ["-O3", "-march=native"])
         return torch.ops.epd_gdn_chunk.chunk_rule

@@ -27,6 +27,7 @@ The runner does not decide anything (which request runs, when state is freed): i
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -122,11 +123,12 @@ class TextModelRunner:
 
     @classmethod
     def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None,
-             prepack: bool = True) -> TextModelRunner:
+             prepack: bool = True, decode: bool = False) -> TextModelRunner:
         """Load the language model of ``model_dir`` in ``dtype`` (a name: float32, bfloat16, float16).
 
-        ``prepack``: on a CPU, move every linear layer to oneDNN with pre-packed weights
-        (``prepack_linears``); a no-op where ``kernels.can_prepack`` says it does not apply.
+        ``prepack``: on a CPU, move every linear layer to oneDNN with pre-packed weights (``prepack_linears``); a no-op where
+        ``kernels.can_prepack`` says it does not apply. ``decode``: the runner serves decode steps
+        (a few rows per product): its projections are merged (``prepack_linears``).
         """
         from epd import checkpoint  # heavy: only a role that serves the LM needs it
         from epd.tensors import default_device, parse_dtype
@@ -135,24 +137,41 @@ class TextModelRunner:
         model, lm_head = checkpoint.build_text_model(model_dir, dtype=parse_dtype(dtype), device=device)
         runner = cls(model=model, lm_head_weight=lm_head)
         if prepack and kernels.can_prepack(runner.device, runner.dtype):
-            runner.prepack_linears()
+            runner.prepack_linears(decode=decode)
         if runner.device.type == "cpu":
             kernels_prefill.available()  # the chunk kernel's oneDNN operator, built or loaded now, not in a request
             kernels_prefill.gdn_chunk_op()  # and the fused chunked rule
         return runner
 
-    def prepack_linears(self) -> None:
-        """Every projection, MLP and the LM head through oneDNN with pre-packed weights (measured
-        1.5-3.6x faster than ATen's MKL GEMM here, docs/bench/kernels.md). The LM head is packed
-        as a copy: its tied embedding table still needs the dense layout for lookups."""
-        kernels.prepack_linears(self.model)
-        self.lm_head = kernels.PackedLinear(self.lm_head_weight)
+    def prepack_linears(self, decode: bool = False, head: bool = True, merge: bool | None = None,
+                        few_rows: bool | None = None) -> None:
+        """Every projection, MLP and (``head``) the LM head through oneDNN with pre-packed weights
+        (measured 1.5-3.6x faster than ATen's MKL GEMM here, docs/bench/kernels.md), or, for
+        ``decode`` with ``few_rows`` (default: unless ``EPD_DECODE_LINEAR=0`` in the environment),
+        through epd's few-row kernel where it is built (``kernels.DecodeLinear``: built with
+        OpenMP, its threads claiming tasks from a shared counter, it beat oneDNN on whole bfloat16
+        decode steps at batch 1 and 8, and at 256 rows it is level, docs/BENCHMARKS.md).
+        For ``decode`` (unless ``merge=False``) the projections that read the same input first
+        become one product each (``merge_projections``; measured on decode steps only, so prefill
+        keeps them apart). The LM head is packed as a copy: its tied embedding table still needs
+        the dense layout for lookups. A tensor-parallel shard passes ``head=False`` (its head is
+        the rank's vocabulary rows, ``VocabParallelHead``)."""
+        if few_rows is None:
+            few_rows = os.environ.get(DECODE_LINEAR_ENV, "1").strip() != "0"
+        make = _linear_maker(self.dtype, decode and few_rows)
+        if decode if merge is None else merge:
+            merge_projections(self.model, make)
+        kernels.prepack_linears(self.model, make)
+        if head:
+            self.lm_head = make(self.lm_head_weight)
 
     def prepare_decode_kernels(self) -> bool:
-        """Build (or load the cached build of) the fused decode-step kernel now rather than in the
-        first decode step (a fresh machine compiles for ~10 s); whether decode steps will use it."""
+        """Build (or load the cached builds of) the fused decode-step kernels now rather than in the
+        first decode step (a fresh machine compiles for ~10 s each); whether decode steps will use
+        the fused Gated DeltaNet step."""
         if self.device.type != "cpu" or self.dtype not in FUSED_DTYPES or not fused.enabled():
             return False
+        fused.decode_ops()  # the norms and the paged attention (the linear layers chose at load)
         return fused.ops() is not None
 
     @property
@@ -181,7 +200,9 @@ class TextModelRunner:
                 shapes[f"recurrent.{index}"] = (1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
             else:
                 attn = layer.self_attn
-                kv_heads = attn.k_proj.out_features // attn.head_dim  # this rank's, under tensor parallelism
+                # this rank's, under tensor parallelism
+                kv_features = attn.qkv_proj.sizes[1] if hasattr(attn, "qkv_proj") else attn.k_proj.out_features
+                kv_heads = kv_features // attn.head_dim
                 shapes[f"keys.{index}"] = shapes[f"values.{index}"] = (1, kv_heads, num_tokens, attn.head_dim)
         return shapes
 
@@ -271,9 +292,21 @@ class TextModelRunner:
         ``token_ids[i]`` is slot i's last token and ``positions[i]`` its position (a text token's
         three M-RoPE components are equal). Returns float32 logits ``[batch, vocab]``.
         """
-        if len(batch) == 0:
+        size = len(batch)
+        if size == 0:
             raise ValueError("decode_step needs one token and position per slot (0), got an empty batch")
-        return self.mixed_step([], batch, token_ids, positions).decode_logits
+        if not self._fused_norms():
+            return self.mixed_step([], batch, token_ids, positions).decode_logits
+        # a decode-only step with the C++ decode kernels: residual adds folded into the norms
+        if len(token_ids) != size or len(positions) != size:
+            raise ValueError(f"decode_step needs one token and position per slot ({size}), "
+                             f"got {len(token_ids)} and {len(positions)}")
+        batch.reserve(1)
+        device = self.device
+        hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)).unsqueeze(1)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, size, 1).expand(3, size, 1)
+        cos, sin = self.model.rotary_emb(hidden, position_ids)
+        return self._decode_layers_fused(batch, hidden, cos, sin)
 
     @torch.inference_mode()
     def mixed_step(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
@@ -345,6 +378,34 @@ class TextModelRunner:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden
 
+    def _fused_norms(self) -> bool:
+        """Whether the decode step's residual adds and decoder RMSNorms run as one C++ call each
+        (``kernels.add_rms_norm``): a CPU, the kernels built, transformers' Qwen3.5 RMSNorm."""
+        if self.device.type != "cpu" or self.dtype not in FUSED_DTYPES or not fused.decode_ops():
+            return False
+        norms = [self.model.norm, *(n for layer in self.model.layers
+                                    for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+        return all(type(n) in _RMS_NORMS for n in norms)
+
+    def _decode_layers_fused(self, batch: BatchBuffers, hidden: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> torch.Tensor:
+        """The decode step's layers with each residual add folded into the norm after it: the
+        residual stream ``[B, hidden]`` is updated in place by ``add_rms_norm`` (``r += x``, then
+        the norm of r), which computes what ``residual + hidden`` and the norm compute apart."""
+        size = hidden.shape[0]
+        residual = hidden.view(size, -1)  # the embedding rows: a temporary of this step
+        out = None
+        for index, layer in enumerate(self.model.layers):
+            normed = _add_norm(out, residual, layer.input_layernorm).view(size, 1, -1)
+            if self.layer_types[index] == "linear_attention":
+                out = _linear_attention_step(layer.linear_attn, normed, batch, index)
+            else:
+                out = _full_attention_step(layer.self_attn, normed, cos, sin, batch, index)
+            normed = _add_norm(out, residual, layer.post_attention_layernorm).view(size, 1, -1)
+            out = layer.mlp(normed)
+        batch.advance()
+        return self.logits(_add_norm(out, residual, self.model.norm))
+
 
 @dataclass
 class StepOutput:
@@ -366,15 +427,88 @@ class _Mix:
     batch: BatchBuffers | None
     num_decode: int  # the batch's active slots (0 without one)
 
+_RMS_NORMS = (qm.Qwen3_5RMSNorm,)
+
+
+def _add_norm(x: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """``norm(residual + x)`` of ``[B, 1, hidden]`` (or None) onto the residual rows ``[B, hidden]``,
+    which become ``residual + x``."""
+    rows = None if x is None else x.reshape(residual.shape)
+    return kernels.add_rms_norm(rows, residual, norm.weight, norm.eps)
+
+
+DECODE_LINEAR_ENV = "EPD_DECODE_LINEAR"
+"""``0``: a decode runner's linear layers use oneDNN's pre-packed GEMM instead of ``kernels.DecodeLinear``
+(the default where the kernel is built)."""
+
+
+def _linear_maker(dtype: torch.dtype, few_rows: bool):
+    """What builds the runner's linear layers from a weight: epd's few-row kernel when asked and
+    it serves the dtype, oneDNN's pre-packed GEMM otherwise."""
+    probe = torch.empty(0, 2, dtype=dtype)
+    if few_rows and kernels.can_decode_pack(probe):
+        return kernels.DecodeLinear
+    return kernels.PackedLinear
+
+
+def _project(module: torch.nn.Module, merged: str, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``module``'s projections ``names`` for ``x``: one product where
+    ``merge_projections`` stacked them (the attribute ``merged``), one each otherwise."""
+    group = getattr(module, merged, None)
+    if group is not None:
+        return group(x)
+    return tuple(getattr(module, name)(x) for name in names)
+
+
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+_GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+class GatedMLP(torch.nn.Module):
+    """Qwen3.5's SwiGLU MLP with its gate and up projections as one product:
+    ``down(act(gate(x)) * up(x))``, as transformers' ``Qwen3_5MLP``."""
+
+    def __init__(self, mlp: torch.nn.Module, make) -> None:
+        super().__init__()
+        self.gate_up_proj = kernels.MergedLinear([mlp.gate_proj, mlp.up_proj], make)
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def merge_projections(model: torch.nn.Module, make) -> None:
+    """Stack the projections that read the same input into one product each, in place (vLLM's
+    merged column-parallel linears): full attention's q/k/v (``qkv_proj``), Gated DeltaNet's
+    qkv/z/b/a (``in_proj``), a dense MLP's gate and up (``GatedMLP``). ``make`` builds each
+    stacked product from its weight. Under tensor parallelism this runs on a rank's shard (each
+    part already this rank's columns), so the merged layer is this rank's too."""
+    for layer in model.layers:
+        attn, gdn = getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)
+        if attn is not None and all(type(getattr(attn, n, None)) is torch.nn.Linear for n in _ATTENTION_PROJECTIONS):
+            attn.qkv_proj = kernels.MergedLinear([getattr(attn, n) for n in _ATTENTION_PROJECTIONS], make)
+            for name in _ATTENTION_PROJECTIONS:
+                delattr(attn, name)
+        if gdn is not None and all(type(getattr(gdn, n, None)) is torch.nn.Linear for n in _GDN_PROJECTIONS):
+            gdn.in_proj = kernels.MergedLinear([getattr(gdn, n) for n in _GDN_PROJECTIONS], make)
+            for name in _GDN_PROJECTIONS:
+                delattr(gdn, name)
+        if type(layer.mlp) is qm.Qwen3_5MLP and all(
+                type(getattr(layer.mlp, n)) is torch.nn.Linear for n in ("gate_proj", "up_proj")):
+            layer.mlp = GatedMLP(layer.mlp, make)
+
 
 def _attention_inputs(attn: qm.Qwen3_5Attention, x: torch.Tensor):
     """The token-wise part of gated attention for ``x [B, L, hidden]``: normed query and key,
     value ``[B, L, heads, dim]`` and the output gate ``[B, L, heads * dim]``."""
     batch, length, _ = x.shape
     head_dim = attn.head_dim
-    query, gate = torch.chunk(attn.q_proj(x).view(batch, length, -1, head_dim * 2), 2, dim=-1)
-    key = attn.k_norm(attn.k_proj(x).view(batch, length, -1, head_dim))
-    value = attn.v_proj(x).view(batch, length, -1, head_dim)
+    query_gate, key, value = _project(attn, "qkv_proj", _ATTENTION_PROJECTIONS, x)
+    query, gate = torch.chunk(query_gate.view(batch, length, -1, head_dim * 2), 2, dim=-1)
+    key = attn.k_norm(key.view(batch, length, -1, head_dim))
+    value = value.view(batch, length, -1, head_dim)
     return attn.q_norm(query), key, value, gate.reshape(batch, length, -1)
 
 
@@ -426,7 +560,8 @@ def _gdn_projections(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor):
     """Gated DeltaNet's input projections of ``x [..., hidden]``: the conv input ``[..., conv_dim]``,
     the output gate z ``[..., v_heads * v_dim]``, and in_proj_a's and in_proj_b's raw outputs
     ``[..., v_heads]``."""
-    return gdn.in_proj_qkv(x), gdn.in_proj_z(x), gdn.in_proj_a(x), gdn.in_proj_b(x)
+    mixed, z, b, a = _project(gdn, "in_proj", _GDN_PROJECTIONS, x)
+    return mixed, z, a, b
 
 
 def _gdn_gates(gdn: qm.Qwen3_5GatedDeltaNet, a: torch.Tensor, b: torch.Tensor):
@@ -508,9 +643,45 @@ def _gdn_decode_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torch
     return core.reshape(size, -1)
 
 
+def _full_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         batch: BatchBuffers, index: int) -> torch.Tensor:
+    """One token per slot: the batch stores its K/V at the slot's length and attends each slot over
+    its own tokens, through its block table. On a CPU with the decode kernels, a batch that lends
+    its pools (``DecodeBatch.paged``) and a merged projection, everything between ``qkv_proj`` and
+    ``o_proj`` is two C++ calls (``_fused_attention_step``)."""
+    size = x.shape[0]
+    if _fused_attention(attn, x, batch):
+        return _fused_attention_step(attn, x, cos, sin, batch, index)
+    query, key, value, gate = _attention_inputs(attn, x)
+    query, key = qm.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    out = batch.attend(index, query, key, value.transpose(1, 2), attn.scaling)
+    out = out.transpose(1, 2).reshape(size, 1, -1)
+    return attn.o_proj(out * torch.sigmoid(gate))
+
+
+def _fused_attention(attn: qm.Qwen3_5Attention, x: torch.Tensor, batch: BatchBuffers) -> bool:
+    return (x.device.type == "cpu" and x.dtype in FUSED_DTYPES and hasattr(attn, "qkv_proj")
+            and hasattr(batch, "paged") and attn.head_dim % 16 == 0 and type(attn.q_norm) in _RMS_NORMS
+            and type(attn.k_norm) in _RMS_NORMS and fused.decode_ops())
+
+
+def _fused_attention_step(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          batch: BatchBuffers, index: int) -> torch.Tensor:
+    """``_full_attention_step`` as two C++ calls: q/k norms, rotary and the K/V write
+    (``kernels.attention_decode_inputs``), then every slot's attention and the output gate
+    (``kernels.paged_decode_attention``): the same arithmetic, rounded where the torch path rounds."""
+    size = x.shape[0]
+    query_gate, key, value = attn.qkv_proj(x.reshape(size, -1))
+    keys, values, write, runs, offsets = batch.paged(index)
+    query = kernels.attention_decode_inputs(query_gate, key, value, attn.q_norm, attn.k_norm, cos.reshape(size, -1),
+                                            sin.reshape(size, -1), keys, values, write)
+    out = kernels.paged_decode_attention(query, keys, values, runs, offsets, attn.scaling, gate=query_gate)
+    return attn.o_proj(out.view(size, 1, -1))
+
+
 def _linear_attention_step(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, batch: BatchBuffers, index: int) -> torch.Tensor:
     """One token per slot of Gated DeltaNet, ``x [B, 1, hidden]`` -> ``[B, 1, hidden]``; conv and
-    recurrent states are updated in place (one layer's decode step: tests and benchmarks)."""
+    recurrent states are updated in place (a decode-only step's layer, ``_decode_layers_fused``)."""
     size = x.shape[0]
     return _linear_attention(gdn, x.reshape(1, size, -1), _Mix([], [], batch, size), index).reshape(size, 1, -1)
 

@@ -79,6 +79,12 @@ class SamplingConfig:
         return bool(self.min_tokens or self.logit_bias or self.needs_history or self.grammar)
 
     @property
+    def plain_greedy(self) -> bool:
+        """The choice is the logits' argmax as they are (greedy, nothing processes them, no
+        logprobs): what ``sample`` returns then, so a batch may take it in one argmax."""
+        return self.greedy and not self.processes and not self.logprobs
+
+    @property
     def needs_answer(self) -> bool:
         """Sampling reads the answer so far (a penalty's history, or a grammar's state): a handoff
         carries its tokens."""

@@ -45,7 +45,9 @@ class AggregateServer(rpc.RoleServer):
         # before a weight is read: decode's plan (weights once, its K/V pool) is the larger of the two
         memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
-        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack)
+        # loaded as a decode replica loads it (merged projections: prefill forwards through them
+        # cost the same, docs/BENCHMARKS.md), since every decode step of this replica runs here
+        runner = TextModelRunner.load(serve.model_dir, dtype=config.dtype, prepack=config.prepack, decode=True)
         runner.prepare_decode_kernels()
         self.prefill = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), serve.prefill,
                                      own_loop=False)

@@ -8,6 +8,7 @@ produce exactly the tokens transformers' generate gives for it alone.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 
@@ -222,7 +223,15 @@ def test_a_cancel_during_admission_is_not_lost(runner, tiny_model_dir, monkeypat
         assert entered.wait(30), "the request was never admitted"
         canceller = threading.Thread(target=engine.cancel, args=("r",))
         canceller.start()
-        time.sleep(0.3)  # the cancel is now waiting on the admission (or, if unguarded, already done)
+        # Wait until the canceller is inside cancel() (blocked on the engine's lock, or, if
+        # unguarded, already done): a fixed sleep lost this race on a loaded machine.
+        deadline = time.monotonic() + 30
+        while canceller.is_alive() and time.monotonic() < deadline:
+            frame = sys._current_frames().get(canceller.ident)
+            if frame is not None and frame.f_code is DecodeEngine.cancel.__code__:
+                break
+            time.sleep(0.01)
+        time.sleep(0.1)  # from the first line of cancel() onto the lock
         release.set()
         canceller.join(timeout=30)
         tokens, reason = _drain(events)

@@ -23,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -49,22 +51,7 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 // ---- elementwise helpers over float arrays, AVX-512 where the compiler targets it
 
 #ifdef __AVX512F__
-// exp for float32: Cephes' expf polynomial (about 1 ulp), 2^n applied with scalef.
-inline __m512 vexp(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using epd_vec::vexp;
 
 // float32 -> nearest bfloat16 (ties to even), back as float32 bits
 inline __m512 vround_bf16(__m512 x) {
@@ -196,7 +183,9 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
                       int64_t k_dim, int64_t v_dim, at::Tensor& out) {
   const int64_t batch = mixed.size(0), channels = mixed.size(1), kernel = window.size(1);
   const int64_t v_heads = state.size(1), key_dim = k_heads * k_dim, group = v_heads / k_heads;
+  // mixed, a, b and z may be row views of one merged projection's output: rows strided, each contiguous
   const T* x = mixed.data_ptr<T>();
+  const int64_t ld_x = mixed.stride(0), ld_a = a.stride(0), ld_b = b.stride(0), ld_z = z.stride(0);
   T* win = window.data_ptr<T>();
   const float* taps = conv_taps.data_ptr<float>();  // [kernel, channels]
   const float* bias = conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr;
@@ -217,7 +206,7 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       T* w = win + s * kernel * channels;  // row t: the input kernel-1-t tokens back
-      const T* xs = x + s * channels;
+      const T* xs = x + s * ld_x;
       float* o = qkv + s * channels;
       for (int64_t c = 0; c < channels; ++c) o[c] = to_float(w[channels + c]) * taps[c];
       for (int64_t t = 1; t < kernel - 1; ++t) {
@@ -252,8 +241,8 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
       const float* q = qkv + s * channels + kh * k_dim;
       const float* k = qkv + s * channels + key_dim + kh * k_dim;
       const float* v = qkv + s * channels + 2 * key_dim + h * v_dim;
-      const float beta = round_to<T>(1.f / (1.f + std::exp(-to_float(b_ptr[s * v_heads + h]))));
-      const float decay = std::exp(neg_a[h] * softplus(to_float(a_ptr[s * v_heads + h]) + dt[h]));
+      const float beta = round_to<T>(1.f / (1.f + std::exp(-to_float(b_ptr[s * ld_b + h]))));
+      const float decay = std::exp(neg_a[h] * softplus(to_float(a_ptr[s * ld_a + h]) + dt[h]));
       float* S = s_ptr + unit * k_dim * v_dim;
       update_head(S, q, k, v, decay, beta, k_dim, v_dim, ks.data(), core.data());
       // gated RMSNorm: weight * norm(core) * silu(z), rounded where the torch path rounds
@@ -265,7 +254,7 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
       round_inplace<T>(core.data(), v_dim);
       for (int64_t j = 0; j < v_dim; ++j) core[j] *= to_float(norm_w[j]);
       round_inplace<T>(core.data(), v_dim);
-      const T* zs = z_ptr + unit * v_dim;
+      const T* zs = z_ptr + s * ld_z + h * v_dim;
       for (int64_t j = 0; j < v_dim; ++j) gate[j] = to_float(zs[j]);
       silu_inplace(gate.data(), v_dim);
       for (int64_t j = 0; j < v_dim; ++j) core[j] *= gate[j];
@@ -282,9 +271,14 @@ at::Tensor decode_step(const at::Tensor& mixed, at::Tensor window, const at::Ten
   const auto dtype = mixed.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "epd_gdn.decode_step: float32 or bfloat16, got ",
               dtype);
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&mixed, &window, &a, &b, &z, &norm_weight}) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&window, &norm_weight}) {
     TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->device().is_cpu(),
-                "epd_gdn.decode_step: every model-dtype input must be a contiguous CPU tensor of ", dtype);
+                "epd_gdn.decode_step: the window and norm weight must be contiguous CPU tensors of ", dtype);
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&mixed, &a, &b, &z}) {
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 2 && t->stride(1) == 1 && t->device().is_cpu(),
+                "epd_gdn.decode_step: mixed, a, b and z must be 2-D CPU tensors of ", dtype,
+                " with contiguous rows");
   }
   TORCH_CHECK(conv_taps.scalar_type() == at::kFloat && conv_taps.is_contiguous() && conv_taps.dim() == 2 &&
                   conv_taps.size(0) == window.size(1) && conv_taps.size(1) == mixed.size(1),
@@ -300,7 +294,8 @@ at::Tensor decode_step(const at::Tensor& mixed, at::Tensor window, const at::Ten
   TORCH_CHECK(mixed.dim() == 2 && window.dim() == 3 && window.size(0) == batch && window.size(2) == mixed.size(1));
   TORCH_CHECK(state.size(0) == batch && state.size(2) == k_dim && state.size(3) == v_dim);
   TORCH_CHECK(v_heads % k_heads == 0 && mixed.size(1) == 2 * k_heads * k_dim + v_heads * v_dim);
-  TORCH_CHECK(a.numel() == batch * v_heads && b.numel() == batch * v_heads && z.numel() == batch * v_heads * v_dim);
+  TORCH_CHECK(a.size(0) == batch && a.size(1) == v_heads && b.size(0) == batch && b.size(1) == v_heads &&
+              z.size(0) == batch && z.size(1) == v_heads * v_dim);
   TORCH_CHECK(neg_a_exp.numel() == v_heads && dt_bias.numel() == v_heads && norm_weight.numel() == v_dim);
   at::Tensor out = at::empty({batch, v_heads * v_dim}, mixed.options());
   if (dtype == at::kFloat) {

@@ -1,0 +1,75 @@
+"""``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100] [--threads 0]``:
+the decode engine's step as a served replica runs it, in one process: ``--batch`` prompts
+prefilled, handed to a ``DecodeEngine`` and decoded greedily for ``--tokens`` tokens each while
+this thread reads their event queues as a stream would. Prints the wall time per engine step
+(forward, sampling and publishing together), to set beside ``epd bench decode-step`` (the bare
+forward) and a served run's TPOT (the same step behind gRPC, in a Ray worker)."""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import time
+
+import torch
+
+from decode_svc.engine import DecodeEngine
+from epd import positions
+from epd.config import DecodeConfig
+from epd.lm import TextModelRunner
+from epd.modelinfo import ModelInfo
+from epd.sampling import SamplingConfig
+
+PROMPT_TOKENS = 48
+
+
+def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int) -> tuple[int, float]:
+    """(engine steps, wall seconds) for ``batch`` requests of ``tokens`` greedy tokens each."""
+    runner = TextModelRunner.load(model_dir, dtype=dtype, decode=True)  # as a decode replica loads it
+    runner.prepare_decode_kernels()
+    info = ModelInfo.load(model_dir)
+    engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(max_batch_size=batch))
+    try:
+        streams = []
+        for i in range(batch):
+            ids = torch.randint(0, runner.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(i))
+            pos, rope_delta = positions.mrope_positions(PROMPT_TOKENS, [])
+            state = runner.new_state()
+            first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
+            events: queue.Queue = queue.Queue()
+            engine.submit(f"r{i}", PROMPT_TOKENS, rope_delta, first,
+                          SamplingConfig(max_tokens=tokens, ignore_eos=True), state, 0)
+            engine.claim(f"r{i}", events.put)
+            streams.append(events)
+        start, steps_before, finished = time.perf_counter(), engine.steps, 0
+        while finished < batch:
+            for events in streams:
+                try:
+                    while True:
+                        if events.get_nowait().finish_reason is not None:
+                            finished += 1
+                except queue.Empty:
+                    pass
+            time.sleep(0.002)
+        return engine.steps - steps_before, time.perf_counter() - start
+    finally:
+        engine.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps, wall = time_engine_steps(args.model, args.dtype, args.batch, args.tokens)
+    print(f"{args.dtype}, batch {args.batch}, {args.tokens} tokens each: {steps} engine steps, "
+          f"{wall / max(1, steps) * 1e3:.1f} ms a step")
+
+
+if __name__ == "__main__":
+    main()

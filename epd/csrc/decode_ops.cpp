@@ -1,0 +1,506 @@
+// Decode's linear layers on a CPU: y = x W^T for the few rows of a decode step (M = 1..32),
+// reading each weight once for all M rows.
+//
+// Why: a decode step's GEMMs have M = batch rows against weights of up to 248,320 x 1,024; their
+// cost is streaming the weight from memory (1.5 GB a step for qwen3.5-0.8b in bfloat16), and
+// every row must reuse each weight vector while it sits in a register. The weight is laid out
+// once at load (``pack``) in panels of 16 output columns: bfloat16 [N/16][K/2][16][2] (each
+// 64-byte vector holds 16 columns x one pair of k, the operand order of AVX-512 BF16's
+// vdpbf16ps), float32 [N/16][K][16]. The kernel walks P panels at a time with R rows' float32
+// accumulators in registers (R x P <= 16): per k pair, P weight vectors are loaded and each row's
+// x pair is broadcast into R x P dot-product instructions. The threads claim tasks of a few
+// panels from a shared counter (robust to a thread losing its core); rows beyond 8 are taken 8
+// at a time over the same panels (from L1/L2).
+//
+// Rounding: float32 sums of exact bf16 x bf16 products (vdpbf16ps), rounded to bfloat16 once at
+// the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
+// from oneDNN or ATen. The float32 path is fused multiply-adds, k ascending per column.
+//
+// Registered as torch.ops.epd_decode.{pack, linear} (TORCH_LIBRARY, no pybind11). Built at first
+// use by epd/kernels.py through epd.fused.compile_library.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec_math.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <utility>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per panel (one zmm of float32 sums)
+constexpr int64_t kMaxRows = 8;  // rows per block (more are taken in blocks)
+
+// ---- element traits: how one k step of a panel is loaded and accumulated
+
+struct BF16 {
+  using T = c10::BFloat16;
+  static constexpr int64_t kStep = 2;  // k values per vector lane (a pair)
+  static inline __m512 madd(__m512 acc, __m512i w, const T* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(pair));
+  }
+  static inline void store(T* out, __m512 acc, __mmask16 mask) {
+    const __m256i bits = (__m256i)_mm512_cvtneps_pbh(acc);
+    _mm256_mask_storeu_epi16(out, mask, bits);
+  }
+};
+
+struct F32 {
+  using T = float;
+  static constexpr int64_t kStep = 1;
+  static inline __m512 madd(__m512 acc, __m512i w, const T* x) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_set1_ps(*x), acc);
+  }
+  static inline void store(T* out, __m512 acc, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, acc); }
+};
+
+// R rows x P panels of output, starting at panel `panel`: acc[r][p] += sum_k x[r][k] W[col][k].
+// `w` points at the first panel; a panel is `panel_stride` elements (K_padded * 16).
+template <typename E, int R, int P>
+inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, int64_t panel_stride,
+                  int64_t steps, const float* bias, typename E::T* out, int64_t ldo, int64_t col0, int64_t n) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  constexpr int64_t kVec = 16 * E::kStep;  // elements per weight vector
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i wv[P];
+    for (int p = 0; p < P; ++p) {
+      const typename E::T* src = w + p * panel_stride + s * kVec;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + 1024, _MM_HINT_T0);
+      wv[p] = _mm512_loadu_si512(src);
+    }
+    for (int r = 0; r < R; ++r) {
+      const typename E::T* xr = x + r * ldx + s * E::kStep;
+      for (int p = 0; p < P; ++p) acc[r][p] = E::madd(acc[r][p], wv[p], xr);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t col = col0 + p * kPanel;
+    const int64_t valid = std::min<int64_t>(kPanel, n - col);
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) E::store(out + r * ldo + col, _mm512_add_ps(acc[r][p], b), mask);
+  }
+}
+
+// R rows x P panels per block: R x P float32 accumulators, at most 16 of the 32 zmm registers.
+// Rows are taken 8 at a time (kMaxRows); a call of up to 4 rows walks 4 panels at once, more rows 2.
+template <typename E>
+using BlockFn = void (*)(const typename E::T*, int64_t, const typename E::T*, int64_t, int64_t, const float*,
+                         typename E::T*, int64_t, int64_t, int64_t);
+
+template <typename E, int P, int... Rs>
+constexpr auto row_table(std::integer_sequence<int, Rs...>) {
+  return std::array<BlockFn<E>, sizeof...(Rs)>{&block<E, Rs + 1, P>...};
+}
+
+template <typename E>
+void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  using T = typename E::T;
+  static constexpr auto by4 = row_table<E, 4>(std::make_integer_sequence<int, 4>{});
+  static constexpr auto by2 = row_table<E, 2>(std::make_integer_sequence<int, kMaxRows>{});
+  static constexpr auto by1 = row_table<E, 1>(std::make_integer_sequence<int, kMaxRows>{});
+  const int64_t m = x.size(0), panels = packed.size(0), steps = packed.size(1);
+  const int64_t panel_stride = steps * 16 * E::kStep;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int P = m <= 4 ? 4 : 2;
+  const BlockFn<E>* wide = P == 4 ? by4.data() : by2.data();
+  // at least ~64 KiB of weight per task: each task is one long sequential stream
+  const int64_t panel_bytes = panel_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(P, (64 << 10) / panel_bytes);
+  // Tasks of `grain` panels, claimed one at a time from a shared counter rather than split up
+  // front: on cores shared with other processes a thread that loses its core for a while holds
+  // up only the task it is in, and the others take the rest (a static split makes the whole
+  // product wait at its end for the slowest thread's share).
+  const int64_t tasks = (panels + grain - 1) / grain;
+  std::atomic<int64_t> next{0};
+  auto run = [&]() {
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t begin = task * grain, end = std::min(panels, begin + grain);
+      // P panels at a time, every block of rows over them while they are in L1/L2: the weight is
+      // read from memory once whatever the number of rows
+      int64_t p = begin;
+      for (; p + P <= end; p += P)
+        for (int64_t r0 = 0; r0 < m; r0 += kMaxRows)
+          wide[std::min<int64_t>(kMaxRows, m - r0) - 1](xp + r0 * ldx, ldx, wp + p * panel_stride, panel_stride,
+                                                       steps, bias, op + r0 * ldo, ldo, p * kPanel, n);
+      for (; p < end; ++p)
+        for (int64_t r0 = 0; r0 < m; r0 += kMaxRows)
+          by1[std::min<int64_t>(kMaxRows, m - r0) - 1](xp + r0 * ldx, ldx, wp + p * panel_stride, panel_stride,
+                                                      steps, bias, op + r0 * ldo, ldo, p * kPanel, n);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
+  if (workers <= 1 || at::in_parallel_region()) {
+    run();
+    return;
+  }
+  // one claimant per thread of the team (at::parallel_for over [0, workers) hands each one index)
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
+}
+
+// W [N, K] -> panels: bfloat16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/16), K, 16]; padding zero.
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "epd_decode.pack: a 2-D CPU weight");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.pack: bfloat16 or float32, got ", dtype);
+  const int64_t n = weight.size(0), k = weight.size(1), step = dtype == at::kBFloat16 ? 2 : 1;
+  const int64_t panels = (n + kPanel - 1) / kPanel, steps = (k + step - 1) / step;
+  at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::zeros({panels, steps, kPanel * step}, weight.options());
+  const int64_t elem = w.element_size();
+  const char* src = static_cast<const char*>(w.data_ptr());
+  char* dst = static_cast<char*>(packed.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+        const char* row = src + (p * kPanel + c) * k * elem;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t s = kk / step, lane = kk % step;
+          std::memcpy(dst + ((p * steps + s) * kPanel * step + c * step + lane) * elem, row + kk * elem, elem);
+        }
+      }
+  });
+  return packed;
+}
+
+// x [M, K] (rows of any stride, each contiguous) times the packed W [N, K] -> [M, N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.linear: bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.dim() == 3 && packed.is_contiguous(),
+              "epd_decode.linear: the packed weight must be a contiguous [panels, steps, lanes] tensor of ", dtype);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1, "epd_decode.linear: x must be 2-D, rows contiguous");
+  const int64_t step = dtype == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(x.size(1) == packed.size(1) * step, "epd_decode.linear: x has ", x.size(1), " features, the weight ",
+              packed.size(1) * step, " (odd bfloat16 widths are not packed)");
+  TORCH_CHECK(n > (packed.size(0) - 1) * kPanel && n <= packed.size(0) * kPanel, "epd_decode.linear: bad n");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "epd_decode.linear: bias must be contiguous float32 [n]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  if (dtype == at::kBFloat16)
+    linear_impl<BF16>(x, packed, b, n, out);
+  else
+    linear_impl<F32>(x, packed, b, n, out);
+  return out;
+}
+
+// ---- the decoder layers' RMSNorm with the residual add before it (Qwen3.5's: float32 math,
+// weight applied as (1 + w), rounded to the model dtype once at the end)
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// residual <- residual + x (rounded to T, as torch's add in T), out <- norm(residual) * (1 + w).
+// With x empty only the norm of residual (which is left as it is).
+template <typename T>
+void add_rms_norm_impl(const T* x, int64_t ldx, T* residual, int64_t ldr, const T* weight, float eps, T* out,
+                       int64_t rows, int64_t dim) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = residual + r * ldr;
+      float* s = sum.data();
+      if (x) {
+        const T* xr = x + r * ldx;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T rounded = static_cast<T>(to_float(res[i]) + to_float(xr[i]));
+          res[i] = rounded;
+          s[i] = to_float(rounded);
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) s[i] = to_float(res[i]);
+      }
+      float squares = 0.f;
+      for (int64_t i = 0; i < dim; ++i) squares += s[i] * s[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(s[i] * inv * (1.f + to_float(weight[i])));
+    }
+  });
+}
+
+// (x, residual, weight, eps) -> the normed rows; residual is updated in place to residual + x.
+at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  const auto dtype = residual.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.add_rms_norm: bfloat16 or float32, got ",
+              dtype);
+  TORCH_CHECK(residual.dim() == 2 && residual.stride(1) == 1 && residual.device().is_cpu(),
+              "epd_decode.add_rms_norm: residual must be 2-D, rows contiguous");
+  const int64_t rows = residual.size(0), dim = residual.size(1);
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.is_contiguous() && weight.numel() == dim,
+              "epd_decode.add_rms_norm: weight must be contiguous [dim] of the residual's dtype");
+  if (x.has_value())
+    TORCH_CHECK(x->scalar_type() == dtype && x->dim() == 2 && x->size(0) == rows && x->size(1) == dim &&
+                    x->stride(1) == 1, "epd_decode.add_rms_norm: x must match the residual");
+  at::Tensor out = at::empty({rows, dim}, residual.options());
+  if (dtype == at::kFloat)
+    add_rms_norm_impl<float>(x.has_value() ? x->data_ptr<float>() : nullptr, x.has_value() ? x->stride(0) : 0,
+                             residual.data_ptr<float>(), residual.stride(0), weight.data_ptr<float>(),
+                             static_cast<float>(eps), out.data_ptr<float>(), rows, dim);
+  else
+    add_rms_norm_impl<c10::BFloat16>(x.has_value() ? x->data_ptr<c10::BFloat16>() : nullptr,
+                                     x.has_value() ? x->stride(0) : 0, residual.data_ptr<c10::BFloat16>(),
+                                     residual.stride(0), weight.data_ptr<c10::BFloat16>(), static_cast<float>(eps),
+                                     out.data_ptr<c10::BFloat16>(), rows, dim);
+  return out;
+}
+
+// ---- a full-attention layer's decode inputs: q/k RMSNorm, partial rotary, K/V into the pool
+
+template <typename T>
+inline float round_to(float x) {  // x rounded to T and back (identity for float)
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// Per slot s and head: Qwen3.5's per-head RMSNorm ((1 + w), float32 math, rounded to T), then the
+// rotary embedding of the first `rot` dims as transformers' apply_rotary_pos_emb computes it in T
+// (x cos and rotate_half(x) sin each rounded, their sum rounded; the rest passes). Queries go to
+// `query` [B, H, D]; keys and values are written to the pools' rows write[s].
+template <typename T>
+void attention_inputs_impl(const T* qg, int64_t ld_qg, const T* k, int64_t ld_k, const T* v, int64_t ld_v,
+                           const T* q_w, const T* k_w, float eps, const T* cos, const T* sin, int64_t ld_cs,
+                           int64_t rot, T* keys, T* values, const int64_t* write, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, T* query) {
+  const int64_t units = batch * (heads + kv_heads);
+  at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / (heads + kv_heads), h = unit % (heads + kv_heads);
+      const bool is_query = h < heads;
+      const T* src = is_query ? qg + s * ld_qg + h * 2 * dim : k + s * ld_k + (h - heads) * dim;
+      const T* w = is_query ? q_w : k_w;
+      T* dst = is_query ? query + (s * heads + h) * dim : keys + (write[s] * kv_heads + (h - heads)) * dim;
+      float squares = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        x[i] = to_float(src[i]);
+        squares += x[i] * x[i];
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) x[i] = round_to<T>(x[i] * inv * (1.f + to_float(w[i])));
+      const T* c = cos + s * ld_cs;
+      const T* sn = sin + s * ld_cs;
+      const int64_t half = rot / 2;
+      for (int64_t i = 0; i < rot; ++i) {
+        const float turned = i < half ? -x[i + half] : x[i - half];
+        dst[i] = static_cast<T>(round_to<T>(x[i] * to_float(c[i])) + round_to<T>(turned * to_float(sn[i])));
+      }
+      for (int64_t i = rot; i < dim; ++i) dst[i] = static_cast<T>(x[i]);
+      if (!is_query) std::memcpy(values + (write[s] * kv_heads + (h - heads)) * dim, v + s * ld_v + (h - heads) * dim,
+                                 sizeof(T) * dim);
+    }
+  });
+}
+
+at::Tensor attention_inputs(const at::Tensor& query_gate, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& q_weight, const at::Tensor& k_weight, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin, at::Tensor keys, at::Tensor values, const at::Tensor& write) {
+  const auto dtype = query_gate.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.attention_inputs: bfloat16 or float32");
+  for (const at::Tensor* t : {&query_gate, &key, &value, &cos, &sin})
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 2 && t->stride(1) == 1 && t->device().is_cpu(),
+                "epd_decode.attention_inputs: 2-D inputs with contiguous rows, of the query's dtype");
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
+                  keys.scalar_type() == dtype && values.scalar_type() == dtype,
+              "epd_decode.attention_inputs: pools [rows, kv_heads, dim] of the query's dtype");
+  const int64_t batch = query_gate.size(0), kv_heads = keys.size(1), dim = keys.size(2);
+  const int64_t heads = query_gate.size(1) / (2 * dim), rot = cos.size(1);
+  TORCH_CHECK(query_gate.size(1) == heads * 2 * dim && key.size(0) == batch && key.size(1) == kv_heads * dim &&
+                  value.size(0) == batch && value.size(1) == kv_heads * dim && cos.size(0) == batch &&
+                  sin.sizes() == cos.sizes() && sin.stride(0) == cos.stride(0) && rot % 2 == 0 && rot <= dim,
+              "epd_decode.attention_inputs: shapes");
+  TORCH_CHECK(q_weight.scalar_type() == dtype && k_weight.scalar_type() == dtype && q_weight.is_contiguous() &&
+                  k_weight.is_contiguous() && q_weight.numel() == dim && k_weight.numel() == dim,
+              "epd_decode.attention_inputs: norm weights [dim]");
+  TORCH_CHECK(write.scalar_type() == at::kLong && write.is_contiguous() && write.numel() == batch,
+              "epd_decode.attention_inputs: write rows [B] int64");
+  const int64_t* rows = write.data_ptr<int64_t>();
+  for (int64_t s = 0; s < batch; ++s)
+    TORCH_CHECK(0 <= rows[s] && rows[s] < keys.size(0), "epd_decode.attention_inputs: a write row outside the pool");
+  at::Tensor query = at::empty({batch, heads, dim}, query_gate.options());
+  if (dtype == at::kFloat)
+    attention_inputs_impl<float>(query_gate.data_ptr<float>(), query_gate.stride(0), key.data_ptr<float>(),
+                                 key.stride(0), value.data_ptr<float>(), value.stride(0), q_weight.data_ptr<float>(),
+                                 k_weight.data_ptr<float>(), static_cast<float>(eps), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), cos.stride(0), rot, keys.data_ptr<float>(),
+                                 values.data_ptr<float>(), rows, batch, heads, kv_heads, dim,
+                                 query.data_ptr<float>());
+  else
+    attention_inputs_impl<c10::BFloat16>(
+        query_gate.data_ptr<c10::BFloat16>(), query_gate.stride(0), key.data_ptr<c10::BFloat16>(), key.stride(0),
+        value.data_ptr<c10::BFloat16>(), value.stride(0), q_weight.data_ptr<c10::BFloat16>(),
+        k_weight.data_ptr<c10::BFloat16>(), static_cast<float>(eps), cos.data_ptr<c10::BFloat16>(),
+        sin.data_ptr<c10::BFloat16>(), cos.stride(0), rot, keys.data_ptr<c10::BFloat16>(),
+        values.data_ptr<c10::BFloat16>(), rows, batch, heads, kv_heads, dim, query.data_ptr<c10::BFloat16>());
+  return query;
+}
+
+// ---- decode attention over the paged K/V pool: every slot's query rows against its own tokens
+
+// 16 values of T as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// out[s, h] = softmax(scale q[s, h] K_s^T) V_s for each slot s and query head h, where K_s / V_s are
+// the pool rows runs[offsets[s]..offsets[s+1]) name, kv head h / (heads / kv_heads). float32 math;
+// one (slot, kv head) per task: its query heads share each K and V row read.
+template <typename T>
+void attend_impl(const T* query, const T* keys, const T* values, const int64_t* runs, const int64_t* offsets,
+                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const T* gate,
+                 int64_t ld_gate, T* out) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), acc(group * dim), scores;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / kv_heads, kh = unit % kv_heads;
+      int64_t tokens = 0;
+      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r) tokens += runs[2 * r + 1] - runs[2 * r];
+      scores.assign(group * tokens, 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < dim; ++i) q[g * dim + i] = to_float(query[(s * heads + kh * group + g) * dim + i]);
+      int64_t t = 0;
+      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r)
+        for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
+          const T* k = keys + (row * kv_heads + kh) * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t i = 0; i < dim; i += 16) sum = _mm512_fmadd_ps(load16(q.data() + g * dim + i), load16(k + i), sum);
+            scores[g * tokens + t] = _mm512_reduce_add_ps(sum) * scale;
+          }
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> total(group);
+      for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
+        float* sc = scores.data() + g * tokens;
+        const float top = *std::max_element(sc, sc + tokens);
+        __m512 vsum = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= tokens; i += 16) {
+          const __m512 e = epd_vec::vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + i), _mm512_set1_ps(top)));
+          _mm512_storeu_ps(sc + i, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        float sum = _mm512_reduce_add_ps(vsum);
+        for (; i < tokens; ++i) sum += (sc[i] = std::exp(sc[i] - top));
+        total[g] = sum;
+      }
+      t = 0;
+      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r)
+        for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
+          const T* v = values + (row * kv_heads + kh) * dim;
+          for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 vv = load16(v + i);
+            for (int64_t g = 0; g < group; ++g) {
+              float* a = acc.data() + g * dim + i;
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * tokens + t]), vv, _mm512_loadu_ps(a)));
+            }
+          }
+        }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kh * group + g;
+        T* o = out + (s * heads + h) * dim;
+        const float inv = 1.f / total[g];
+        if (gate) {  // out * sigmoid(gate), each rounded to T as torch's ops in T round
+          const T* gt = gate + s * ld_gate + h * 2 * dim + dim;
+          for (int64_t i = 0; i < dim; ++i) {
+            const float sig = round_to<T>(1.f / (1.f + std::exp(-to_float(gt[i]))));
+            o[i] = static_cast<T>(round_to<T>(acc[g * dim + i] * inv) * sig);
+          }
+        } else {
+          for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(acc[g * dim + i] * inv);
+        }
+      }
+    }
+  });
+}
+
+// query [B, heads, dim]; keys, values [rows, kv_heads, dim] (the pool); runs [R, 2] int64 row ranges,
+// slot s owning runs offsets[s]..offsets[s+1]-1 -> [B, heads, dim] in the query's dtype.
+// With gate ([B, heads * 2 * dim] rows: each head's query then its gate, the merged projection's
+// query part) the output is out * sigmoid(gate), [B, heads * dim]: the o_proj input.
+at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& runs,
+                  const at::Tensor& offsets, double scale, const c10::optional<at::Tensor>& gate) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.attend: bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && keys.dim() == 3 && keys.is_contiguous() &&
+                  values.sizes() == keys.sizes() && values.is_contiguous() && keys.scalar_type() == dtype &&
+                  values.scalar_type() == dtype, "epd_decode.attend: contiguous query [B, H, D] and pools [rows, kvh, D]");
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = keys.size(1);
+  TORCH_CHECK(keys.size(2) == dim && dim % 16 == 0 && heads % kv_heads == 0, "epd_decode.attend: head dims");
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 && runs.size(1) == 2 &&
+                  offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == batch + 1,
+              "epd_decode.attend: runs [R, 2] and offsets [B + 1], int64");
+  const int64_t* r = runs.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0 && o[batch] == runs.size(0), "epd_decode.attend: offsets do not cover the runs");
+  for (int64_t s = 0; s < batch; ++s) TORCH_CHECK(o[s] < o[s + 1], "epd_decode.attend: a slot without tokens");
+  for (int64_t i = 0; i < runs.size(0); ++i)
+    TORCH_CHECK(0 <= r[2 * i] && r[2 * i] < r[2 * i + 1] && r[2 * i + 1] <= keys.size(0),
+                "epd_decode.attend: a run outside the pool");
+  if (gate.has_value())
+    TORCH_CHECK(gate->scalar_type() == dtype && gate->dim() == 2 && gate->size(0) == batch &&
+                    gate->size(1) == heads * 2 * dim && gate->stride(1) == 1,
+                "epd_decode.attend: gate must be [B, heads * 2 * dim] rows of the query's dtype");
+  at::Tensor out = gate.has_value() ? at::empty({batch, heads * dim}, query.options())
+                                    : at::empty({batch, heads, dim}, query.options());
+  const int64_t ld_gate = gate.has_value() ? gate->stride(0) : 0;
+  if (dtype == at::kFloat)
+    attend_impl<float>(query.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), r, o, batch, heads,
+                       kv_heads, dim, static_cast<float>(scale), gate.has_value() ? gate->data_ptr<float>() : nullptr,
+                       ld_gate, out.data_ptr<float>());
+  else
+    attend_impl<c10::BFloat16>(query.data_ptr<c10::BFloat16>(), keys.data_ptr<c10::BFloat16>(),
+                               values.data_ptr<c10::BFloat16>(), r, o, batch, heads, kv_heads, dim,
+                               static_cast<float>(scale),
+                               gate.has_value() ? gate->data_ptr<c10::BFloat16>() : nullptr, ld_gate,
+                               out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(epd_decode, m) {
+  m.def("pack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, Tensor? gate) -> Tensor");
+  m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
+        "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
+  m.impl("pack", &pack);
+  m.impl("linear", &linear);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("attend", &attend);
+  m.impl("attention_inputs", &attention_inputs);
+}

@@ -1,0 +1,281 @@
+"""Decode's CPU kernels (epd/csrc/decode_ops.cpp via epd.fused.decode_ops): the few-row linear
+layer (``kernels.DecodeLinear``) and the fused residual add + RMSNorm (``kernels.add_rms_norm``)
+against the torch operations they replace, in float32 and bfloat16 at several row counts; the
+merged projections (``lm.merge_projections``); a decode runner built on them against the
+unpacked one; and the fallback when the kernels are off or cannot be built.
+
+The kernels are compiled for real (g++ and ninja are on the project's machines; the build is
+cached under the user's cache directory, so only the first run of a fresh machine pays ~10 s)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+
+from decode_svc.batch import DecodeBatch
+from epd import fused, kernels, lm, positions
+from epd.lm import TextModelRunner
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                reason="no C++ compiler or ninja on this machine")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The next ``fused.decode_ops()`` decides again (and again after the test)."""
+    monkeypatch.delenv(fused.ENV, raising=False)
+    fused.reset()
+    yield
+    fused.reset()
+
+
+@pytest.fixture
+def ops(fresh):
+    if not fused.decode_ops():
+        pytest.skip("the decode kernels need AVX-512 BF16 (this CPU or build has not)")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: to float32 rounding of a sum in another order; bfloat16: one rounding of the
+    same float32 sum (a bfloat16 ulp is 2^-8 relative)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("shape", [(96, 64), (37, 130), (2048, 256)])
+def test_decode_linear_matches_f_linear(dtype, rows, shape, ops):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if out_features == 37 else None
+    x = torch.randn(rows, 1, in_features, generator=gen).to(dtype)
+    layer = kernels.DecodeLinear(weight, bias)
+    out = layer(x)
+    assert out.shape == (rows, 1, out_features) and out.dtype == dtype
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+    _close(out, want, dtype)
+    # strided rows (a column slice of a wider tensor) are read in place, same answer
+    wide = torch.cat([x[:, 0], torch.randn(rows, 5).to(dtype)], dim=1)[:, :in_features]
+    assert torch.equal(layer(wide), out[:, 0])
+
+
+def test_decode_linear_refuses_what_it_does_not_serve(ops):
+    assert not kernels.can_decode_pack(torch.zeros(4, 3, dtype=torch.bfloat16))  # odd width in bfloat16
+    assert not kernels.can_decode_pack(torch.zeros(4, 4, dtype=torch.float16))
+    assert kernels.can_decode_pack(torch.zeros(4, 3))
+    layer = kernels.DecodeLinear(torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 6 features, the weight 8"):
+        torch.ops.epd_decode.linear(torch.zeros(2, 6, dtype=torch.bfloat16), layer.weight, 16, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_add_rms_norm_matches_the_residual_add_and_the_norm(dtype, rows, ops):
+    gen = torch.Generator().manual_seed(rows)
+    norm = qm.Qwen3_5RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=gen) * 0.2)
+    norm = norm.to(dtype)
+    residual = (torch.randn(rows, 256, generator=gen) * 3).to(dtype)
+    x = torch.randn(rows, 256, generator=gen).to(dtype)
+    want_sum = residual + x
+    want = norm(want_sum)
+    got = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(residual, want_sum)  # the residual stream, exactly torch's add
+    _close(got, want, dtype)
+    assert torch.equal(kernels.add_rms_norm(None, residual, norm.weight, norm.eps), got)
+    assert torch.equal(residual, want_sum)  # without x it is only read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_one_request_at_a_time(dtype, ops):
+    """Every slot in one call against ``decode_attention`` per slot, over the pool's rows: one run,
+    several runs (a fragmented block table), one token, and more query heads per K/V head."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 8, 2, 32
+    keys, values = (torch.randn(300, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(4, heads, 1, dim, generator=gen).to(dtype)
+    slot_runs = [[(0, 17)], [(32, 64), (100, 101)], [(200, 201)], [(16, 48), (64, 80), (250, 300)]]
+    runs = torch.tensor([run for slot in slot_runs for run in slot])
+    offsets = torch.tensor([0, 1, 3, 4, 7])
+    got = kernels.paged_decode_attention(query, keys, values, runs, offsets, dim**-0.5)
+    assert got.shape == query.shape and got.dtype == dtype
+    for slot, slot_run in enumerate(slot_runs):
+        k, v = (torch.cat([pool[a:b] for a, b in slot_run]) for pool in (keys, values))
+        want = kernels.decode_attention(query[slot : slot + 1], k, v, dim**-0.5)
+        _close(got[slot : slot + 1], want, dtype)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(query, keys, values, runs + 300, offsets, 1.0)
+
+
+def test_merged_linear_gives_each_part(ops):
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.nn.Linear(64, n, bias=False) for n in (48, 16, 32)]
+    with torch.no_grad():
+        for part in parts:
+            part.weight.copy_(torch.randn(part.weight.shape, generator=gen))
+    x = torch.randn(3, 1, 64, generator=gen)
+    for make in (kernels.PackedLinear, kernels.DecodeLinear):
+        outs = kernels.MergedLinear(parts, make)(x)
+        assert [o.shape[-1] for o in outs] == [48, 16, 32]
+        for out, part in zip(outs, parts):
+            _close(out, part(x).detach(), torch.float32)
+
+
+def _decode_logits(runner: TextModelRunner, num_steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts' prefill logits and ``num_steps`` batched decode steps' logits, greedy."""
+    states, first = [], []
+    for seed in range(3):
+        ids = torch.randint(3, 200, (7 + 5 * seed,), generator=torch.Generator().manual_seed(seed))
+        state = runner.new_state()
+        first.append(runner.logits(runner.forward(runner.embed(ids), positions.mrope_positions(len(ids), [])[0],
+                                                  state)))
+        states.append(state)
+    batch = DecodeBatch(runner)
+    for state in states:
+        batch.add(state)
+    tokens, steps = [int(f.argmax()) for f in first], []
+    for step in range(num_steps):
+        steps.append(runner.decode_step(batch, tokens, [s.num_tokens + step for s in states]))
+        tokens = steps[-1].argmax(-1).tolist()
+    return torch.stack(first), torch.stack(steps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_runner_merges_and_uses_the_kernels_and_agrees_with_the_unpacked_one(dtype, tiny_model_dir, ops,
+                                                                                      monkeypatch):
+    norms = []
+    real = kernels.add_rms_norm
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: norms.append(1) or real(*a))
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
+    runner = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
+    dense = TextModelRunner.load(tiny_model_dir, dtype=dtype, prepack=False)
+    modules = list(runner.model.modules())
+    assert not [m for m in modules if type(m) is torch.nn.Linear]
+    assert not [m for m in modules if isinstance(m, kernels.PackedLinear)]
+    assert isinstance(runner.lm_head, kernels.DecodeLinear)
+    for layer, kind in zip(runner.model.layers, runner.layer_types):
+        mixer = layer.linear_attn if kind == "linear_attention" else layer.self_attn
+        merged = mixer.in_proj if kind == "linear_attention" else mixer.qkv_proj
+        assert isinstance(merged.linear, kernels.DecodeLinear)
+        assert len(merged.sizes) == (4 if kind == "linear_attention" else 3)
+        assert isinstance(layer.mlp, lm.GatedMLP)
+    assert runner.state_shapes(5) == dense.state_shapes(5)
+    got = _decode_logits(runner)
+    assert len(norms) == 3 * (2 * runner.num_layers + 1)
+    monkeypatch.setenv(fused.ENV, "0")  # the reference: transformers' modules and the torch path
+    want = _decode_logits(dense)
+    assert len(norms) == 3 * (2 * runner.num_layers + 1)
+    tolerance = 2e-4 if dtype == "float32" else 6e-2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * float(b.abs().max()))
+    assert torch.equal(got[1].argmax(-1), want[1].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_attention_step_computes_what_the_torch_path_does(dtype, tiny_model_dir, ops, monkeypatch):
+    """One full-attention layer's decode step through the two C++ calls and through the torch ops
+    (per-head norms, ``apply_rotary_pos_emb``, the batch's K/V write, SDPA per slot, the gate) on
+    the same batch: bfloat16 bit-identical (it rounds where torch rounds), float32 to rounding;
+    the K/V written to the pool likewise."""
+    runner = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
+    index = runner.layer_types.index("full_attention")
+    attn = runner.model.layers[index].self_attn
+    states = []
+    for seed in range(3):
+        ids = torch.randint(3, 200, (9 + 13 * seed,), generator=torch.Generator().manual_seed(seed))
+        state = runner.new_state()
+        runner.forward(runner.embed(ids), positions.mrope_positions(len(ids), [])[0], state)
+        states.append(state)
+    x = torch.randn(3, 1, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(runner.dtype)
+    position_ids = torch.tensor([s.num_tokens for s in states]).view(1, 3, 1).expand(3, 3, 1)
+    cos, sin = runner.model.rotary_emb(x, position_ids)
+    outs, pools = [], []
+    for use in (True, False):
+        monkeypatch.setattr(lm, "_fused_attention", lambda *a, _use=use: _use)
+        monkeypatch.setattr(kernels, "can_attend_paged", lambda *a, _use=use: _use)
+        batch = DecodeBatch(runner)
+        for state in states:
+            batch.add(state.clone())
+        batch.reserve(1)
+        with torch.inference_mode():
+            outs.append(lm._full_attention_step(attn, x, cos, sin, batch, index))
+        rows = batch._rows(batch.tables[2], 0, batch.lengths[2] + 1)
+        pools.append((batch.keys[index][rows], batch.values[index][rows]))
+    if dtype == "bfloat16":
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    else:
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pools[0][0], pools[1][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(pools[0][1], pools[1][1])
+
+
+def test_merged_projections_on_onednn_agree_with_the_unpacked_runner(tiny_model_dir, ops):
+    """A prefill runner keeps its projections apart on oneDNN; merged on oneDNN (what a decode
+    runner does where the decode kernel is not built) the results are the same to rounding."""
+    assert not [m for m in TextModelRunner.load(tiny_model_dir).model.modules() if isinstance(m, kernels.MergedLinear)]
+    runner = TextModelRunner.load(tiny_model_dir, prepack=False)
+    runner.prepack_linears(merge=True)
+    assert not [m for m in runner.model.modules() if isinstance(m, kernels.DecodeLinear)]
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj.linear, kernels.PackedLinear)
+    assert isinstance(runner.lm_head, kernels.PackedLinear)
+    got, want = _decode_logits(runner, 2), _decode_logits(TextModelRunner.load(tiny_model_dir, prepack=False), 2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4 * float(b.abs().max()))
+
+
+def test_by_default_a_decode_runner_merges_onto_the_few_row_kernel(tiny_model_dir, ops, monkeypatch):
+    monkeypatch.delenv(lm.DECODE_LINEAR_ENV, raising=False)
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)
+    assert not [m for m in runner.model.modules() if isinstance(m, kernels.PackedLinear)]
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj.linear, kernels.DecodeLinear)
+    assert isinstance(runner.lm_head, kernels.DecodeLinear)
+    # a prefill runner keeps oneDNN whatever the variable says
+    prefill = TextModelRunner.load(tiny_model_dir)
+    assert not [m for m in prefill.model.modules() if isinstance(m, kernels.DecodeLinear)]
+
+
+def test_epd_decode_linear_0_puts_a_decode_runner_back_on_onednn(tiny_model_dir, ops, monkeypatch):
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "0")
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)
+    assert not [m for m in runner.model.modules() if isinstance(m, kernels.DecodeLinear)]
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj.linear, kernels.PackedLinear)
+    assert isinstance(runner.lm_head, kernels.PackedLinear)
+
+
+def test_turned_off_a_decode_runner_keeps_onednn_and_the_torch_norms(tiny_model_dir, fresh, monkeypatch):
+    monkeypatch.setenv(fused.ENV, "0")
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
+    calls = []
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: calls.append(1))
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)
+    assert not [m for m in runner.model.modules() if isinstance(m, kernels.DecodeLinear)]
+    assert isinstance(runner.lm_head, kernels.PackedLinear)
+    _decode_logits(runner, 1)
+    assert calls == []
+
+
+def test_a_failed_build_logs_one_warning_and_onednn_stays(tiny_model_dir, fresh, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("decode_ops.cpp:1:1: error: this compiler compiles nothing")
+
+    monkeypatch.setattr(fused, "compile_library", broken)
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
+    monkeypatch.setattr(fused, "_state", {})  # as in a fresh process: nothing loaded yet
+    with caplog.at_level(logging.WARNING, logger="epd.fused"):
+        runner = TextModelRunner.load(tiny_model_dir, decode=True)
+        assert not fused.decode_ops()
+    warnings = [r for r in caplog.records if "decode CPU kernels unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "compiles nothing" in warnings[0].getMessage()
+    assert isinstance(runner.lm_head, kernels.PackedLinear)
+    _decode_logits(runner, 1)
