@@ -191,6 +191,16 @@ def serve(tiny_model_dir, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="module")
+def redis_url():
+    """An embedded Redis of its own for one test module (the engines' embedding store)."""
+    from control.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(max_memory_mb=64)
+    yield server.url
+    server.stop()
+
+
 OPENAI_MODEL = "epd-tiny"
 """The model name the OpenAI-front stack answers to (``--served-model-name``)."""
 

@@ -17,7 +17,6 @@ from dataclasses import replace
 import pytest
 
 from control import placement
-from control.redis_server import EmbeddedRedis
 from decode_svc.engine import DecodeEngine
 from epd.config import ConfigError, DecodeConfig, DeployConfig, PrefillConfig, ServeConfig
 from epd.lm import TextModelRunner
@@ -27,13 +26,6 @@ from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2
 from prefill_svc.engine import PrefillEngine
 from tests.test_prefill_engine import SQUARE, WIDE, Case, user
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = EmbeddedRedis(max_memory_mb=64)
-    yield server.url
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from control.redis_server import EmbeddedRedis
 from epd import client
 from epd.config import PrefillConfig
 from epd.lm import TextModelRunner
@@ -290,13 +289,6 @@ def test_bad_processing_values_are_invalid_argument_naming_the_field(stack):
 
 
 # ---------------------------------------------------------------- a resume
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = EmbeddedRedis(max_memory_mb=64)
-    yield server.url
-    server.stop()
 
 
 @pytest.mark.parametrize("sampling", [dict(PENALTIES), dict(PENALTIES, temperature=0.9, seed=5, min_p=0.05)],

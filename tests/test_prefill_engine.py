@@ -28,13 +28,6 @@ GREEDY = SamplingConfig(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    server = EmbeddedRedis(max_memory_mb=64)
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def runner(tiny_model_dir):
     return TextModelRunner.load(tiny_model_dir)
 

@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from bench.synthetic import make_image
-from control.redis_server import EmbeddedRedis
 from epd import client
 from epd.config import PrefillConfig
 from epd.lm import TextModelRunner
@@ -42,13 +41,6 @@ from tests.test_prefill_engine import Case, assert_matches_oracle, user
 
 SQUARE = make_image(448, 448, seed=1)
 GREEDY = SamplingConfig(max_tokens=12, temperature=0.0, top_p=1.0, top_k=0, seed=0, ignore_eos=True, logprobs=20)
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = EmbeddedRedis(max_memory_mb=64)
-    yield server.url
-    server.stop()
 
 
 def _assert_same_state(got, want) -> None:
