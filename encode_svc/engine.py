@@ -104,9 +104,7 @@ class EncoderEngine:
         self._thread.start()
         self._membership = None
         if context.registry is not None:  # a replica of a deployment: callers find it in the registry
-            import ray
-
-            self._membership = Membership(context, handle=ray.get_runtime_context().current_actor)
+            self._membership = Membership(context)  # callers reach it by its actor name
 
     def ready(self) -> bool:
         return True

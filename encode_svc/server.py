@@ -36,9 +36,34 @@ class ReplicaPool:
         self.max_queued_per_replica = max_queued_per_replica
         self.wait_s = wait_s  # how long an image waits for a replica when none is left (a restart)
         self._in_flight: dict[str, _Flight] = {}
+        # Ray handles by (actor name, incarnation), looked up here rather than carried in the registry:
+        # a handle arriving in a call makes Ray import its actor's class (torch, transformers), which
+        # held the registry, and every replica's start waiting on it, for seconds.
+        self._handles: dict[tuple[str, str], object] = {}
         self.num_retried = 0
         self.num_cancelled = 0
         self.num_refused = 0
+
+    def update(self, endpoints: list[discovery.Endpoint]) -> None:
+        """The registry's view of the encoder replicas (on the watch's thread): their handles, looked
+        up once per process incarnation, then the balancer's bookkeeping."""
+        handles = {}
+        for endpoint in endpoints:
+            key = (endpoint.name, endpoint.incarnation)
+            handle = self._handles.get(key) or _lookup(endpoint.name)
+            if handle is not None:
+                handles[key] = handle
+        self._handles = handles  # replaced whole: the event loop reads it meanwhile
+        self.balancer.update(endpoints)
+
+    async def _handle(self, name: str, incarnation: str):
+        """The replica's Ray handle; one the watch has not looked up yet is looked up now (off the loop)."""
+        handle = self._handles.get((name, incarnation))
+        if handle is None:
+            handle = await asyncio.get_running_loop().run_in_executor(None, _lookup, name)
+        if handle is None:
+            raise ray.exceptions.ActorUnavailableError(f"no actor named {name}", None)
+        return handle
 
     def admit(self, keys: list[str]) -> None:
         """Refuse (RESOURCE_EXHAUSTED) a request whose new images would take the images in flight
@@ -85,17 +110,19 @@ class ReplicaPool:
         while True:
             name, endpoint = await self.balancer.pick_or_wait(tried, give_up)
             ok = None
+            handle = None
             try:
-                if self.balancer.suspect(name) and not await _answers(endpoint.handle):
+                handle = await self._handle(name, endpoint.incarnation)
+                if self.balancer.suspect(name) and not await _answers(handle):
                     # A replica Ray is restarting would hold the image until it is back: try elsewhere.
                     raise ray.exceptions.ActorUnavailableError("no answer to a ping", None)
-                ref = endpoint.handle.encode.remote(item.store_key, item.data, item.max_pixels, item.inline,
-                                                    _video_chunk(item))
+                ref = handle.encode.remote(item.store_key, item.data, item.max_pixels, item.inline, _video_chunk(item))
                 result = await asyncio.wrap_future(ref.future())
                 ok = True
                 return result
             except asyncio.CancelledError:
-                endpoint.handle.cancel.remote(item.store_key)  # nobody waits: drop it before its forward
+                if handle is not None:
+                    handle.cancel.remote(item.store_key)  # nobody waits: drop it before its forward
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
                 ok = False
@@ -114,6 +141,15 @@ class ReplicaPool:
     def load(self) -> tuple[int, int]:
         """(images queued or running over every replica, replicas taking work)."""
         return sum(self.balancer.outstanding().values()), self.balancer.num_available()
+
+
+def _lookup(name: str):
+    """The Ray handle of the actor ``name`` in this deployment's namespace; None when there is none
+    (it died and was not restarted)."""
+    try:
+        return ray.get_actor(name, namespace=ray.get_runtime_context().namespace)
+    except Exception:  # noqa: BLE001 - not found (ValueError), or the GCS briefly away: a call looks again
+        return None
 
 
 async def _answers(handle, timeout_s: float = 1.0) -> bool:
@@ -172,7 +208,7 @@ class EncodeServer(rpc.RoleServer):
     def __init__(self, serve: ServeConfig, context: RoleContext) -> None:
         rpc.configure(serve.rpc)
         self.pool = ReplicaPool(serve.encode.max_queued_per_replica, serve.replica_wait_s)
-        self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.balancer.update,
+        self._watch = discovery.RegistryWatch(context.registry, "encoder", context.name, self.pool.update,
                                               context.poll_s, self.pool.balancer.outstanding, context.refill_grace_s)
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
                     context.host, rpc.internal_transport(serve.security),

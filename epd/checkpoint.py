@@ -27,15 +27,19 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig
 
 from epd import memory_plan
 from epd.family import EXPERTS_IMPLEMENTATION, FAMILIES, Family, family_of, family_of_config
 from epd.tokenizer_build import build_tokenizer, special_token_ids
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the roles that never build a model skip it
+    from transformers import PreTrainedModel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

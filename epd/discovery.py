@@ -111,8 +111,6 @@ class Endpoint:
     """``host:port`` of its gRPC server; empty for encoder replicas, which are called as Ray actors."""
     node_id: str = ""
     """The Ray node it runs on."""
-    handle: object = None
-    """The Ray actor handle (encoder replicas are called through it)."""
     incarnation: str = ""
     """Differs each time the replica's process starts (a Ray restart gives a new one)."""
     pid: int = 0
@@ -257,7 +255,7 @@ class Membership:
 
     MIN_REPORT_S = 0.1
 
-    def __init__(self, context: RoleContext, address: str = "", handle: object = None,
+    def __init__(self, context: RoleContext, address: str = "",
                  http_address: str = "", capacity_tokens: int = 0, load: Callable[[], Load] | None = None,
                  also_roles: tuple[str, ...] = ()) -> None:
         import ray
@@ -266,7 +264,7 @@ class Membership:
         self.heartbeat_s = context.heartbeat_s
         self._load = load
         self.endpoint = Endpoint(name=context.name, role=context.role, address=address,
-                                 node_id=ray.get_runtime_context().get_node_id(), handle=handle,
+                                 node_id=ray.get_runtime_context().get_node_id(),
                                  incarnation=uuid.uuid4().hex, pid=os.getpid(), http_address=http_address,
                                  capacity_tokens=capacity_tokens, also_roles=also_roles)
         ray.get(self.registry.register.remote(self._current()), timeout=60)

@@ -15,11 +15,8 @@ exactly these families (``tests/test_moe.py`` checks it).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-
-import transformers
-from transformers.models.qwen3_5 import modeling_qwen3_5 as dense
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as moe
 
 from epd.model_check import check_model_type
 
@@ -34,42 +31,53 @@ EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 @dataclass(frozen=True)
 class Family:
+    """One model type's transformers classes, imported on first use: the modeling modules pull in
+    transformers' whole model stack (seconds of CPU at each process's start), which the router,
+    the Encoder service, the controller and the CLI never need."""
+
     model_type: str
-    config: type  # the top-level config (text_config + vision_config)
-    conditional_generation: type  # the whole model: what checkpoints are created with, and the oracle
-    text_model: type
-    vision_model: type
-    text_rotary: type
-    vision_rotary: type
+    prefix: str  # transformers' class-name prefix: ``Qwen3_5`` -> ``Qwen3_5Config``, ``Qwen3_5TextModel``, ...
     moe: bool  # the decoder's MLP is a sparse mixture of experts
+
+    def _class(self, module: str, name: str) -> type:
+        return getattr(importlib.import_module(f"transformers.models.{self.model_type}.{module}_{self.model_type}"),
+                       self.prefix + name)
+
+    @property
+    def config(self) -> type:
+        """The top-level config (text_config + vision_config)."""
+        return self._class("configuration", "Config")
+
+    @property
+    def conditional_generation(self) -> type:
+        """The whole model: what checkpoints are created with, and the oracle."""
+        return self._class("modeling", "ForConditionalGeneration")
+
+    @property
+    def text_model(self) -> type:
+        return self._class("modeling", "TextModel")
+
+    @property
+    def vision_model(self) -> type:
+        return self._class("modeling", "VisionModel")
+
+    @property
+    def text_rotary(self) -> type:
+        return self._class("modeling", "TextRotaryEmbedding")
+
+    @property
+    def vision_rotary(self) -> type:
+        return self._class("modeling", "VisionRotaryEmbedding")
 
     @property
     def architecture(self) -> str:
         """config.json's ``architectures`` entry, as published checkpoints write it."""
-        return self.conditional_generation.__name__
+        return self.prefix + "ForConditionalGeneration"
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen3_5": Family(
-        model_type="qwen3_5",
-        config=transformers.Qwen3_5Config,
-        conditional_generation=transformers.Qwen3_5ForConditionalGeneration,
-        text_model=dense.Qwen3_5TextModel,
-        vision_model=dense.Qwen3_5VisionModel,
-        text_rotary=dense.Qwen3_5TextRotaryEmbedding,
-        vision_rotary=dense.Qwen3_5VisionRotaryEmbedding,
-        moe=False,
-    ),
-    "qwen3_5_moe": Family(
-        model_type="qwen3_5_moe",
-        config=transformers.Qwen3_5MoeConfig,
-        conditional_generation=transformers.Qwen3_5MoeForConditionalGeneration,
-        text_model=moe.Qwen3_5MoeTextModel,
-        vision_model=moe.Qwen3_5MoeVisionModel,
-        text_rotary=moe.Qwen3_5MoeTextRotaryEmbedding,
-        vision_rotary=moe.Qwen3_5MoeVisionRotaryEmbedding,
-        moe=True,
-    ),
+    "qwen3_5": Family(model_type="qwen3_5", prefix="Qwen3_5", moe=False),
+    "qwen3_5_moe": Family(model_type="qwen3_5_moe", prefix="Qwen3_5Moe", moe=True),
 }
 
 

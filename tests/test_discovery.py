@@ -4,6 +4,8 @@ the controller's reading of probes (``control.fleet``); the autoscaling policy's
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import subprocess
 import sys
 import time
@@ -27,6 +29,22 @@ def test_the_control_plane_imports_no_torch():
              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
+def test_a_registry_entry_is_plain_data_that_unpickles_without_torch():
+    """Every process that reads the registry (the registry itself, every watcher, `epd status`)
+    unpickles its entries. A Ray actor handle in one made Ray import the actor's class (torch and
+    transformers) in the registry, which held every replica's first registration for ~5 s at each
+    start; encoder replicas are found by their actor name instead."""
+    plain = {"str", "int", "float", "bool", "Load", "tuple[str, ...]"}
+    assert {f.name: f.type for f in dataclasses.fields(Endpoint) if f.type not in plain} == {}
+    entry = Endpoint(name="encoder-0", role="encoder", node_id="n", incarnation="i", pid=1,
+                     load=discovery.Load(queued_tokens=2))
+    check = ("import pickle, sys\nentry = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
+             "print(entry.name, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", check, pickle.dumps(entry).hex()], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "encoder-0 []", (out.stdout, out.stderr)
 
 
 def _ep(name, role="decode", incarnation="i1", **kwargs):

@@ -55,6 +55,20 @@ def test_the_family_table_and_the_torch_free_check_name_the_same_types():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_router_and_a_family_s_names_leave_transformers_model_stack_unimported():
+    """transformers' modeling modules (modeling_utils and the model's own) cost seconds of CPU to
+    import: the router, the Encoder service's front and the controller never build a model, so
+    ``epd.family`` imports them on first use (``docs/BENCHMARKS.md``, "Stack start-up")."""
+    check = ("import sys, router_svc.server\nfrom epd.family import FAMILIES\n"
+             "names = [f.architecture for f in FAMILIES.values()]\n"
+             "print(sorted(m for m in sys.modules if m.startswith('transformers.models.qwen3_5')"
+             " and '.modeling_' in m or m == 'transformers.modeling_utils'))")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+    assert FAMILIES["qwen3_5"].text_model.__module__ == "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
 def test_tiny_moe_is_qwen3_5_moe_in_the_real_architecture(tiny_moe_model_dir, hf_model):
     assert family_of(tiny_moe_model_dir) is FAMILIES["qwen3_5_moe"]
     config = checkpoint.read_config(tiny_moe_model_dir)
