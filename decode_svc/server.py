@@ -63,8 +63,10 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
                                                header.sampling.max_tokens, max(1, header.num_generated))
                     held = header.request_id
             received = await loop.run_in_executor(None, receiver.finish)
-            await loop.run_in_executor(None, submit_handoff, engine, received.header, received.state,
-                                       logs.REQUEST_ID.get())
+            request_id = received.header.request_id
+            # a sender that leaves as the request joins has nobody to claim it: it is dropped then
+            await rpc.run_or_undo(lambda _: loop.run_in_executor(None, engine.cancel, request_id),
+                                  submit_handoff, engine, received.header, received.state, logs.REQUEST_ID.get())
             held = ""
         finally:
             if held:  # the stream broke or was malformed after its place was held
@@ -79,7 +81,12 @@ class DecodeServicer(epd_pb2_grpc.DecodeServicer):
         def sink(event: TokenEvent) -> None:  # called on the engine's thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        if await loop.run_in_executor(None, self.engine.claim, request.request_id, sink) is None:
+        # a claim whose caller leaves as it is made is dropped (a claimed request has no lease)
+        def drop(claimed) -> None:
+            if claimed is not None:
+                loop.run_in_executor(None, self.engine.cancel, request.request_id)
+
+        if await rpc.run_or_undo(drop, self.engine.claim, request.request_id, sink) is None:
             raise errors.NotFound(f"no handed-off request {request.request_id!r} to stream")
         finished = False
         try:

@@ -38,7 +38,7 @@ import grpc
 from epd import errors, logs, prefix, routing, rpc
 from epd.breaker import Breaker
 from epd.config import DeployConfig
-from epd.v1 import epd_pb2_grpc
+from epd.v1 import epd_pb2, epd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -699,6 +699,21 @@ def prefill_targets(context: RoleContext, transport: rpc.Transport, wait_s: floa
 
 def decode_targets(context: RoleContext, transport: rpc.Transport, wait_s: float = 0.0) -> Targets:
     return Targets("decode", epd_pb2_grpc.DecodeStub, context, transport, wait_s)
+
+
+async def drop_handoff(decode: Targets, address: str, request_id: str, timeout_s: float = 10.0) -> None:
+    """Claim the handed-off request ``request_id`` at the decode worker at ``address`` and drop it
+    at once: its slot and K/V blocks are freed now, not when its lease runs out. For a handoff no
+    stream will ever claim (its client left while it was handed off, or a stop string in its first
+    token). Nothing happens where the request is not held."""
+    call = decode.stubs.get(address).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=timeout_s,
+                                            metadata=decode.metadata)
+    try:
+        await call.read()  # the claim has reached decode once anything comes back
+    except grpc.aio.AioRpcError:
+        pass  # already gone (finished, dropped, never arrived): nothing to free
+    finally:
+        call.cancel()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:

@@ -178,6 +178,24 @@ def resolve_host(host: str) -> str:
     return ray.util.get_node_ip_address()
 
 
+async def run_or_undo(undo: Callable, fn: Callable, *args):
+    """``fn(*args)`` on the loop's default executor, awaited. A call on an executor's thread cannot
+    be stopped: if the awaiting task is cancelled (its caller left) while ``fn`` runs, ``fn`` goes
+    on, and ``undo(result)`` is called on the loop once it has returned (not when it raised). For a
+    step that hands something over (a claim, a handoff joining a batch) that nobody would take back
+    if its caller left half-way."""
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        def done(finished: asyncio.Future) -> None:
+            if not finished.cancelled() and finished.exception() is None:
+                undo(finished.result())
+
+        future.add_done_callback(done)
+        raise
+
+
 class EventLoop:
     """An asyncio loop running in a daemon thread of its own; other threads hand it coroutines."""
 

@@ -44,6 +44,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         self._local_handoff = local_handoff
         self.waits = 0  # pauses because every decode worker's queue was full
         self.local_handoffs = 0  # handoffs to the decode engine of this process
+        self._drops: set[asyncio.Task] = set()  # handoffs being dropped (their callers left)
 
     @rpc.unary_errors
     async def Prefill(self, request: epd_pb2.PrefillRequest, context) -> epd_pb2.PrefillResponse:
@@ -92,6 +93,11 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         except asyncio.CancelledError:  # computed, and the caller left while it was handed off
             self.engine.num_cancelled["handoff"] += 1
             raise
+        # Decode holds it now; were the caller to leave before this reply reaches it, no stream
+        # would ever claim it: drop it then, rather than decode it until its lease runs out.
+        loop = asyncio.get_running_loop()
+        context.add_done_callback(lambda ctx: ctx.cancelled() and loop.call_soon_threadsafe(
+            self._orphaned, reply.decode_addr, header.request_id))
         reply.handoff_s = time.perf_counter() - start
         reply.handoff_bytes = result.state.nbytes()
         return reply
@@ -107,8 +113,8 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         while True:
             if self._local_handoff is not None:
                 try:  # this process decodes it: no bytes move, its state joins the batch as it is
-                    address = await asyncio.get_running_loop().run_in_executor(
-                        None, self._local_handoff, header, state, logs.REQUEST_ID.get())
+                    address = await rpc.run_or_undo(lambda address: self._orphaned(address, header.request_id),
+                                                    self._local_handoff, header, state, logs.REQUEST_ID.get())
                     self.local_handoffs += 1
                     return address
                 except errors.ResourceExhausted:
@@ -117,8 +123,12 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
                 need = header.prompt_len + header.sampling.max_tokens - header.num_generated
                 _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),
                                                      busy_next=True, route=routing.DecodeRoute(need))
-                await self._decode.call_at(address, "Handoff", handoff.chunks_async(header, state),
-                                           timeout=context.time_remaining())
+                try:
+                    await self._decode.call_at(address, "Handoff", handoff.chunks_async(header, state),
+                                               timeout=context.time_remaining())
+                except asyncio.CancelledError:  # the caller left: decode may hold it already (its ack
+                    self._orphaned(address, header.request_id)  # was on its way back), and nobody claims it
+                    raise
                 return address
             except grpc.aio.AioRpcError as error:  # the reserved worker failed under the handoff
                 if not rpc.peer_failed(error) and error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -135,6 +145,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             self.waits += 1
             await asyncio.sleep(pause)
             pause = min(0.5, pause * 2)
+
+    def _orphaned(self, address: str, request_id: str) -> None:
+        """Request ``request_id``, handed off to ``address``, lost its caller before the caller
+        learnt where it went: drop it there in the background (on this server's loop)."""
+        log.info("request %s: its caller left as it was handed off to %s; dropping it there", request_id, address)
+        task = asyncio.ensure_future(discovery.drop_handoff(self._decode, address, request_id))
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
 
 
 class PrefillServer(rpc.RoleServer):

@@ -69,6 +69,7 @@ class RouterCore:
         # least-load is the balancer's own order (no route): what every other role's calls use
         self._policy = None if config.prefill_routing == "least-load" else routing.make_policy(config.prefill_routing)
         self._cancelled: dict[str, int] = dict.fromkeys(STAGES, 0)  # requests whose client left, by stage
+        self._releases: set[asyncio.Task] = set()  # handed-off requests being dropped (their clients left)
         self.active: set[asyncio.Task] = set()
         self.waiting = 0  # requests accepted and not yet streaming their first token
         self.refusing = False
@@ -121,10 +122,12 @@ class RouterCore:
                     waiting = False
                     self.waiting -= 1
                 yield event
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (GeneratorExit: while a chunk was written)
             self._cancelled[run.stage] += 1
             if run.unclaimed_decode:  # handed off, never streamed: free its decode slot now
-                asyncio.ensure_future(self._release_decode(run.attempt_id, run.unclaimed_decode))
+                task = asyncio.ensure_future(self._release_decode(run.attempt_id, run.unclaimed_decode))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
             raise
         finally:
             run.to(RouteStatus.FINISHED)
@@ -458,10 +461,10 @@ class RouterCore:
             call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=run.attempt_id),
                                                              timeout=run.remaining(),
                                                              metadata=self.decode.metadata)
-            run.unclaimed_decode = ""  # the stream claims it; cancelling the call frees the slot
             try:
                 preempted = False
                 async for batch in call:
+                    run.unclaimed_decode = ""  # the stream has claimed it: cancelling the call frees the slot
                     delta = text.add(batch.token_ids, ends=batch.finish_reason == FinishReason.STOP.value)
                     kept = text.consumed  # all of the batch, or up to the token that completed a stop string
                     yield _chunk(batch.token_ids[:kept], delta, batch.logprobs[:kept] if run.sampling.logprobs else [])
@@ -525,15 +528,9 @@ class RouterCore:
 
     async def _release_decode(self, request_id: str, decode_addr: str) -> None:
         """Claim and drop a handed-off request the router no longer needs (a stop string in the
-        first token), freeing its decode slot now instead of when its lease runs out."""
-        call = self.decode.stubs.get(decode_addr).Stream(epd_pb2.StreamRequest(request_id=request_id), timeout=10,
-                                                         metadata=self.decode.metadata)
-        try:
-            await call.read()  # the claim has reached decode once anything comes back
-        except grpc.aio.AioRpcError:
-            pass  # already gone: nothing to free
-        finally:
-            call.cancel()
+        first token, a client that left), freeing its decode slot now instead of when its lease
+        runs out."""
+        await discovery.drop_handoff(self.decode, decode_addr, request_id)
 
     # ---------------------------------------------------------------- metrics
 

@@ -9,7 +9,6 @@ import asyncio
 import pytest
 
 from bench.synthetic import make_image
-from control.redis_server import EmbeddedRedis
 from epd import client, errors
 from epd.config import RouterConfig
 from epd.imaging import probe_image
@@ -60,13 +59,6 @@ class NoPrefill:
 
     async def call(self, method, request, timeout, retry=True, busy_next=False, route=None):
         raise errors.Unavailable("prefill: there is none in this test")
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = EmbeddedRedis(max_memory_mb=16)
-    yield server.url
-    server.stop()
 
 
 def test_a_short_encoder_reply_fails_its_request_and_never_strands_a_waiter(tiny_model_dir, redis_url):
