@@ -118,6 +118,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     # tunables of the machinery (docs/OPERATIONS.md "Tunables"); the defaults suit most deployments
     _flag("--max-resumes", "serve.router.max_resumes"),
     _flag("--reserve-hold-s", "serve.decode.reserve_hold_s"),
+    _flag("--shared-memory-handoff", "serve.prefill.shared_memory_handoff"),
     _flag("--prefill-tensor-parallel", "serve.prefill.tensor_parallel"),
     _flag("--decode-tensor-parallel", "serve.decode.tensor_parallel"),
     _flag("--encoder-gpu-batch-patches", "serve.encode.gpu_batch_patches"),

@@ -197,6 +197,9 @@ class PrefillConfig(LMConfig):
     weights are loaded."""
     metrics_port: int = 0
     """Port of the prefill worker's Prometheus /metrics endpoint; 0 turns it off."""
+    shared_memory_handoff: bool = True
+    """Hand a prompt's state to a decode worker on the same host through a file of the host's shared
+    memory (/dev/shm) instead of streaming its bytes over gRPC; off: always stream."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,7 +17,7 @@ only composes them.
 
 from __future__ import annotations
 
-from epd import discovery, memory_plan, rpc
+from epd import discovery, handoff, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Load, Membership, RoleContext
 from epd.grammar import tokenizer_for as grammar_tokenizer_for
@@ -53,13 +53,17 @@ class AggregateServer(rpc.RoleServer):
                                      own_loop=False)
         self.decode = DecodeEngine(runner, info.eos_token_ids, config,
                                    grammar_tokenizer=lambda: grammar_tokenizer_for(info), chunk_source=self.prefill)
+        if serve.prefill.shared_memory_handoff:  # the files a killed predecessor left behind
+            handoff.remove_stale_shared()
         internal = rpc.internal_transport(serve.security)
         self._decode_targets = discovery.decode_targets(context, internal, serve.replica_wait_s)
-        self.prefill_servicer = PrefillServicer(self.prefill, self._decode_targets, local_handoff=self._local_handoff)
+        self.prefill_servicer = PrefillServicer(self.prefill, self._decode_targets, local_handoff=self._local_handoff,
+                                                host=context.host, shared_memory=serve.prefill.shared_memory_handoff)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, self.prefill_servicer, "epd.v1.Prefill"),
                      (epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), "epd.v1.Decode")],
                     context.host, internal)
-        self._metrics = serve_metrics(lambda: [*self.prefill.metrics(), *self.decode.metrics()], self.host,
+        self._metrics = serve_metrics(lambda: [*self.prefill.metrics(), *self.prefill_servicer.metrics(),
+                                               *self.decode.metrics()], self.host,
                                       serve.prefill.metrics_port or config.metrics_port)
         self.membership = Membership(context, address=self.address(), capacity_tokens=self.decode.capacity_tokens(),
                                      load=self._load, also_roles=("decode",))

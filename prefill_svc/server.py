@@ -11,6 +11,7 @@ or stops it at its next chunk edge.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from epd import discovery, errors, handoff, logs, memory_plan, routing, rpc
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.lm import HybridState, TextModelRunner
-from epd.metrics import serve_metrics
+from epd.metrics import Family, counter, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
 from epd.tensors import configure_threads, default_device
@@ -35,15 +36,23 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(epd_pb2_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, decode: discovery.Targets,
-                 local_handoff: Callable[[epd_pb2.HandoffHeader, HybridState, str], str] | None = None) -> None:
+                 local_handoff: Callable[[epd_pb2.HandoffHeader, HybridState, str], str] | None = None,
+                 host: str = "127.0.0.1", shared_memory: bool = True) -> None:
         """``local_handoff(header, state, log_id)``: a decode engine in this process (an aggregated
         replica) takes the state as it is and returns the address its tokens stream from, or raises
-        ``errors.ResourceExhausted`` when it is full; a handoff goes there first."""
+        ``errors.ResourceExhausted`` when it is full; a handoff goes there first. ``host``: the
+        address this server binds; a decode worker on it (or on loopback) is sent its handoffs
+        through this host's shared memory, unless ``shared_memory`` is off."""
         self.engine = engine
         self._decode = decode  # the decode replicas; each handoff goes to the least busy one
         self._local_handoff = local_handoff
         self.waits = 0  # pauses because every decode worker's queue was full
-        self.local_handoffs = 0  # handoffs to the decode engine of this process
+        # handoffs by how the state went: "local" to the decode engine of this process (no bytes
+        # move), "shared_memory" through a file of this host's shared memory, "stream" over gRPC
+        self.handoffs = {"local": 0, "shared_memory": 0, "stream": 0}
+        self._host = host
+        self._shared = shared_memory and bool(handoff.shared_dir())
+        self._streams_only: set[str] = set()  # decode addresses that cannot read this host's shared memory
         self._drops: set[asyncio.Task] = set()  # handoffs being dropped (their callers left)
 
     @rpc.unary_errors
@@ -115,22 +124,35 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
                 try:  # this process decodes it: no bytes move, its state joins the batch as it is
                     address = await rpc.run_or_undo(lambda address: self._orphaned(address, header.request_id),
                                                     self._local_handoff, header, state, logs.REQUEST_ID.get())
-                    self.local_handoffs += 1
+                    self.handoffs["local"] += 1
                     return address
                 except errors.ResourceExhausted:
                     pass  # full here: another decode endpoint (another aggregated replica) may take it
+            path = None  # the shared-memory file of this try, if the state went that way
             try:
                 need = header.prompt_len + header.sampling.max_tokens - header.num_generated
                 _, address = await self._decode.call("Reserve", header, timeout=context.time_remaining(),
                                                      busy_next=True, route=routing.DecodeRoute(need))
+                if self._shared and address not in self._streams_only and _same_host(address, self._host):
+                    path = await _write_shared(header, state)
                 try:
-                    await self._decode.call_at(address, "Handoff", handoff.chunks_async(header, state),
-                                               timeout=context.time_remaining())
+                    parts = handoff.shared_parts(header) if path else handoff.chunks_async(header, state)
+                    await self._decode.call_at(address, "Handoff", parts, timeout=context.time_remaining())
                 except asyncio.CancelledError:  # the caller left: decode may hold it already (its ack
                     self._orphaned(address, header.request_id)  # was on its way back), and nobody claims it
                     raise
+                finally:
+                    if path:
+                        handoff.remove_shared(path)  # decode removed it as it mapped it, unless it failed
+                self.handoffs["shared_memory" if path else "stream"] += 1
                 return address
             except grpc.aio.AioRpcError as error:  # the reserved worker failed under the handoff
+                if path and error.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    # it cannot see this host's shared memory: stream to it from now on, at once
+                    log.info("decode at %s cannot read this host's shared memory (%s); streaming handoffs to it",
+                             address, error.details())
+                    self._streams_only.add(address)
+                    continue
                 if not rpc.peer_failed(error) and error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise rpc.RpcFailure.from_rpc_error(error, "decode") from None
                 log.warning("decode at %s failed the handoff of %s (%s); trying again", address,
@@ -146,6 +168,14 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             await asyncio.sleep(pause)
             pause = min(0.5, pause * 2)
 
+    def metrics(self) -> list[Family]:
+        family = counter("epd_prefill_handoffs_total", "Prompt states handed to decode, by how they went: local "
+                         "(this process decodes it), shared_memory (a file of this host's shared memory), stream "
+                         "(bytes over gRPC)", "path")
+        for path, count in self.handoffs.items():
+            family.add(count, path)
+        return [family]
+
     def _orphaned(self, address: str, request_id: str) -> None:
         """Request ``request_id``, handed off to ``address``, lost its caller before the caller
         learnt where it went: drop it there in the background (on this server's loop)."""
@@ -153,6 +183,31 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         task = asyncio.ensure_future(discovery.drop_handoff(self._decode, address, request_id))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)
+
+
+def _same_host(address: str, host: str) -> bool:
+    """Whether the worker at ``address`` (``HOST:PORT``) shares this host: it is on loopback or
+    on the address this server binds. A guess that only chooses the first try: a worker that
+    cannot read the shared file says so, and gets streams."""
+    name = address.rsplit(":", 1)[0].strip("[]")
+    if name == host or name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+async def _write_shared(header: epd_pb2.HandoffHeader, state: HybridState) -> str | None:
+    """``handoff.write_shared`` on an executor thread; a caller that leaves during the write
+    leaves no file behind (it is removed once written)."""
+    write = asyncio.get_running_loop().run_in_executor(None, handoff.write_shared, header, state)
+    try:
+        return await asyncio.shield(write)
+    except asyncio.CancelledError:
+        write.add_done_callback(lambda done: done.exception() is None and done.result()
+                                and handoff.remove_shared(done.result()))
+        raise
 
 
 class PrefillServer(rpc.RoleServer):
@@ -179,10 +234,14 @@ class PrefillServer(rpc.RoleServer):
         self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config, states=states)
         internal = rpc.internal_transport(serve.security)
         self._decode = discovery.decode_targets(context, internal, serve.replica_wait_s)
-        self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.engine, self._decode),
-                      "epd.v1.Prefill")], context.host, internal,
+        if config.shared_memory_handoff:  # the files a killed predecessor left behind
+            handoff.remove_stale_shared()
+        servicer = PrefillServicer(self.engine, self._decode, host=context.host,
+                                   shared_memory=config.shared_memory_handoff)
+        self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill")], context.host, internal,
                     healthy=lambda: self._decode.balancer.num_available() > 0)
-        self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
+        self._metrics = serve_metrics(lambda: [*self.engine.metrics(), *servicer.metrics()], self.host,
+                                      config.metrics_port)
         self.membership = Membership(context, address=self.address(), load=self.engine.load)
         self.engine.on_stored = self.membership.report_soon  # the router routes on it: tell it soon
 

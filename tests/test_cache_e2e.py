@@ -5,6 +5,7 @@ Summary reports, single flight, the eviction race, and memory caps under 1,000 d
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import redis
 
 from bench.synthetic import make_image
 from control.redis_server import EmbeddedRedis
-from epd import client, rpc
+from epd import client, handoff, rpc
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
 from epd.v1 import epd_pb2, epd_pb2_grpc
@@ -104,6 +105,21 @@ def test_same_text_other_image_shares_no_cache_entry_in_either_order(stack, orac
         assert again.token_ids == oracle.generate("Which one?", images[:1], max_new_tokens=12)[0]
         assert again.summary.cached_tokens > first_image + 196  # its own entries do serve it
         assert (again.summary.images_encoded, again.summary.images_cached) == (0, 1)
+
+
+def test_handoffs_on_one_host_go_through_shared_memory_and_leave_no_file(stack, oracle):
+    """Prefill and decode share this host: each prompt's state reaches decode through a file of
+    /dev/shm, not a gRPC stream, the answer is still transformers', and no file outlives its
+    handoff (decode removes it as it maps it, prefill after the handoff either way)."""
+    before = stack.metrics(stack.prefill_metrics)
+    image = make_image(160, 160, seed=120)
+    result = chat(stack.addr, [user("Through memory?", image)], max_tokens=8)
+    assert result.token_ids == oracle.generate("Through memory?", [image], max_new_tokens=8)[0]
+    after = stack.metrics(stack.prefill_metrics)
+    name = "epd_prefill_handoffs_total{path=\"%s\"}"
+    assert after[name % "shared_memory"] == before[name % "shared_memory"] + 1
+    assert after[name % "stream"] == before[name % "stream"] == 0
+    assert not list(pathlib.Path("/dev/shm").glob(f"{handoff.SHARED_PREFIX}*"))
 
 
 def test_second_turn_reuses_the_first_and_matches_transformers(stack, oracle, tmp_path):

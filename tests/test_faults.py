@@ -4,6 +4,7 @@ against real `epd serve` processes (tiny model): real `kill -9`, real SIGTERM.""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import threading
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 from bench.synthetic import make_image
-from epd import client, discovery, rpc
+from epd import client, discovery, handoff, rpc
 from epd.v1 import epd_pb2_grpc
 from tests.conftest import ServeProcess, epd, epd_status, free_port, ray_address, serving
 
@@ -191,6 +192,9 @@ def test_a_lone_replica_killed_is_a_pause_and_both_come_back(single, oracle, rol
         return [e for e in epd_status(address)["events"] if e["name"] == replica["name"]]
 
     assert discovery.wait_until(lambda: any(e["kind"] in ("restarted", "replaced") for e in events()), 30), events()
+    # a prefill killed between writing a handoff's shared-memory file and its end leaves the file:
+    # the prefill that replaces it removes every file of a writer that is gone as it starts
+    assert not list(pathlib.Path("/dev/shm").glob(f"{handoff.SHARED_PREFIX}{replica['pid']}-*"))
 
 
 def _controller_process(server: ServeProcess) -> psutil.Process:

@@ -1,11 +1,17 @@
 """The prefill -> decode handoff stream and HybridState's flat tensor view."""
 
+import asyncio
+import os
+import subprocess
+import sys
+
+import grpc
 import pytest
 import torch
 
-from epd import handoff
+from epd import errors, handoff, rpc
 from epd.lm import HybridState
-from epd.v1 import epd_pb2
+from epd.v1 import epd_pb2, epd_pb2_grpc
 
 NUM_LAYERS = 8  # full attention on layers 3 and 7, linear attention elsewhere
 FULL = (3, 7)
@@ -306,3 +312,207 @@ def test_without_a_model_bad_specs_are_value_errors(shape, dtype):
     header = _header(prompt_len=1, tensors=[epd_pb2.TensorSpec(name="keys.3", dtype=dtype, shape=shape)])
     with pytest.raises(ValueError, match="expected a supported dtype"):
         handoff.receive([epd_pb2.HandoffChunk(header=header), epd_pb2.HandoffChunk(data=b"\x00" * 16)], NUM_LAYERS)
+
+
+# --------------------------------------------------------------------------- through shared memory
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    """The handoff's shared-memory directory, a fresh one (a tmpfs like /dev/shm or not: the
+    code is the same)."""
+    monkeypatch.setenv(handoff.SHARED_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def _files(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_shared_file_round_trip_is_bit_exact_and_leaves_nothing(shared):
+    state = _state()
+    header = _header()
+    path = handoff.write_shared(header, state)
+    assert path is not None and header.shared_file == os.path.basename(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600  # nobody else on the host reads a prompt's state
+    parts = [epd_pb2.HandoffChunk.FromString(p.SerializeToString()) for p in handoff.shared_parts(header)]
+    assert len(parts) == 1  # the header alone crosses the wire
+    got = handoff.receive(parts, NUM_LAYERS)
+    assert _files(shared) == []  # the receiver removed it as it mapped it
+    _assert_same_state(state, got.state)
+    got.state.recurrent[0].add_(1.0)  # the views are copy-on-write: writable, and the writer's file untouched
+    handoff.remove_shared(path)  # the sender's clean-up after the receiver's is a no-op
+
+
+def test_a_stream_after_a_shared_try_carries_no_file_name(shared):
+    header = _header()
+    assert handoff.write_shared(header, _state())
+    parts = list(handoff.chunks(header, _state(), 1000))
+    assert not parts[0].header.shared_file
+    _assert_same_state(_state(), handoff.receive(parts, NUM_LAYERS).state)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "epd-handoff-1-" + "g" * 32,
+                                  "epd-handoff-x-" + "0" * 32, "epd-handoff-1-" + "0" * 31, "other"])
+def test_a_shared_file_name_that_is_not_a_handoff_file_is_refused(shared, name):
+    with pytest.raises(ValueError, match="not a handoff file's name"):
+        handoff.receive([epd_pb2.HandoffChunk(header=_header(shared_file=name))], NUM_LAYERS)
+
+
+def test_data_chunks_beside_a_shared_file_are_refused(shared):
+    header = _header()
+    handoff.write_shared(header, _state())
+    with pytest.raises(ValueError, match="data chunks but its header names a shared file"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header), epd_pb2.HandoffChunk(data=b"x")], NUM_LAYERS)
+
+
+def test_a_file_this_host_cannot_see_is_a_failed_precondition(shared, monkeypatch):
+    header = _header()
+    handoff.write_shared(header, _state())
+    os.unlink(shared / header.shared_file)
+    with pytest.raises(errors.FailedPrecondition, match="cannot be read here"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header)], NUM_LAYERS)
+    monkeypatch.setenv(handoff.SHARED_DIR_ENV, "")  # a host without shared memory
+    with pytest.raises(errors.FailedPrecondition, match="no shared-memory directory"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header)], NUM_LAYERS)
+
+
+def test_a_link_in_place_of_the_file_is_never_followed(shared, tmp_path_factory):
+    header = _header()
+    handoff.write_shared(header, _state())
+    target = tmp_path_factory.mktemp("elsewhere") / "secret"
+    os.replace(shared / header.shared_file, target)
+    os.symlink(target, shared / header.shared_file)
+    with pytest.raises(errors.FailedPrecondition, match="cannot be read here"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header)], NUM_LAYERS)
+
+
+def test_a_shared_file_of_the_wrong_size_is_refused(shared):
+    header = _header()
+    handoff.write_shared(header, _state())
+    with open(shared / header.shared_file, "ab") as f:
+        f.write(b"\0" * 64)
+    with pytest.raises(ValueError, match="bytes; its header lists"):
+        handoff.receive([epd_pb2.HandoffChunk(header=header)], NUM_LAYERS)
+
+
+def test_without_a_shared_directory_the_writer_says_stream(monkeypatch, tmp_path):
+    monkeypatch.setenv(handoff.SHARED_DIR_ENV, str(tmp_path / "missing"))
+    header = _header()
+    assert handoff.write_shared(header, _state()) is None and not header.shared_file
+
+
+def test_a_full_shared_directory_leaves_nothing_and_says_stream(shared):
+    """A write past what the directory holds (a container's small /dev/shm; here a file-size
+    limit, in a child process) fails, and the partial file is removed."""
+    script = (
+        "import resource, signal, sys, torch\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from tests.test_handoff import _header, _state\n"
+        "from epd import handoff\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "header = _header()\n"
+        "print(handoff.write_shared(header, _state(num_tokens=200)), repr(header.shared_file))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, handoff.SHARED_DIR_ENV: str(shared)}, check=True).stdout
+    assert out.split() == ["None", "''"]
+    assert _files(shared) == []
+
+
+def test_files_of_writers_that_are_gone_are_removed(shared):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = shared / f"{handoff.SHARED_PREFIX}{dead}-{'a' * 32}"
+    live = shared / f"{handoff.SHARED_PREFIX}{os.getpid()}-{'b' * 32}"
+    other = shared / "not-ours"
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    assert handoff.remove_stale_shared() == 1
+    assert _files(shared) == sorted([live.name, other.name])
+
+
+# --------------------------------------------------------------------------- prefill's choice of path
+
+
+class _Decode(epd_pb2_grpc.DecodeServicer):
+    """A decode worker's handoff end over real gRPC: the real ``Receiver`` (header checks, the
+    shared file or the stream), looking for shared files in ``directory``; it keeps what arrived."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.received: list[tuple[bool, HybridState]] = []  # (came as a shared file, the state)
+
+    @rpc.unary_errors
+    async def Reserve(self, header, context):
+        return epd_pb2.HandoffAck(request_id=header.request_id)
+
+    @rpc.unary_errors
+    async def Handoff(self, request_iterator, context):
+        receiver = handoff.Receiver(NUM_LAYERS, shared_directory=self.directory)
+        async for part in request_iterator:
+            receiver.add(part)
+        got = receiver.finish()
+        self.received.append((bool(got.header.shared_file), got.state))
+        return epd_pb2.HandoffAck(request_id=got.header.request_id)
+
+
+class _Targets:
+    """The one decode worker at ``address``, called as ``discovery.Targets`` calls a replica."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = epd_pb2_grpc.DecodeStub(self.channel)
+
+    async def call(self, method, request, timeout, busy_next=False, route=None):
+        return await getattr(self.stub, method)(request, timeout=timeout), self.address
+
+    async def call_at(self, address, method, request, timeout):
+        return await getattr(self.stub, method)(request, timeout=timeout)
+
+
+class _Context:
+    def time_remaining(self):
+        return 30.0
+
+
+@pytest.mark.parametrize("decode_sees_the_file", [True, False])
+def test_prefill_hands_off_through_shared_memory_and_streams_to_a_worker_that_cannot_read_it(
+        shared, tmp_path_factory, decode_sees_the_file):
+    """On one host the state goes as a shared file; a decode worker that cannot see it (another
+    mount namespace: here, another directory) answers FAILED_PRECONDITION, gets the same state as
+    a stream at once, and streams from then on. Bit-exact either way; no file is left."""
+    from prefill_svc.server import PrefillServicer
+
+    directory = str(shared) if decode_sees_the_file else str(tmp_path_factory.mktemp("other-namespace"))
+    decode = _Decode(directory)
+
+    async def scenario():
+        server = grpc.aio.server()
+        epd_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        targets = _Targets(f"127.0.0.1:{port}")
+        try:
+            servicer = PrefillServicer(None, targets, host="127.0.0.1")
+            for seed in (0, 1):
+                await servicer._hand_off(_header(request_id=f"r{seed}"), _state(seed=seed), _Context())
+            return servicer
+        finally:
+            await targets.channel.close()
+            await server.stop(None)
+
+    servicer = asyncio.run(scenario())
+    assert [via for via, _ in decode.received] == ([True, True] if decode_sees_the_file else [False, False])
+    for seed, (_, state) in enumerate(decode.received):
+        _assert_same_state(_state(seed=seed), state)
+    expected = {"local": 0, "shared_memory": 2, "stream": 0} if decode_sees_the_file else \
+        {"local": 0, "shared_memory": 0, "stream": 2}
+    assert servicer.handoffs == expected
+    assert _files(shared) == []
+    assert servicer.waits == 0  # the fallback is at once, not after a pause
+    # the worker that could not read the file was tried through it once, and is streamed to since
+    assert len(servicer._streams_only) == (0 if decode_sees_the_file else 1)
