@@ -180,7 +180,8 @@ class Receiver:
     that length has (names, shapes, dtypes). Without one, each spec must still be a supported
     dtype and non-negative sizes. Either way bytes are kept only up to what the header lists, so a
     forged or corrupt stream costs at most the size of a real state, and tensors are built only
-    once every byte has arrived. Raises ValueError."""
+    once every byte has arrived. Raises ValueError; ``errors.FailedPrecondition`` for a header
+    naming a shared file this host cannot read (``shared_directory``, default ``shared_dir()``)."""
 
     def __init__(self, num_layers: int, device: torch.device | str = "cpu", runner: TextModelRunner | None = None,
                  shared_directory: str | None = None):
