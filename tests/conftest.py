@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,22 @@ set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "epd-hypothesis"))
 
 READY_PREFIX = "epd ready at "
 INTERNAL_TOKEN = "the-test-suite-internal-token-0123456789"
+
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                    reason="no C++ compiler or ninja on this machine")
+"""For a test of epd's C++ kernels (``epd.fused``): built on this machine at first use."""
+
+
+@pytest.fixture
+def fresh_fused(monkeypatch):
+    """The next ``fused.ops()`` / ``fused.decode_ops()`` decides again (and again after the test)."""
+    from epd import fused
+
+    monkeypatch.delenv(fused.ENV, raising=False)
+    fused.reset()
+    yield
+    fused.reset()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ cached under the user's cache directory, so only the first run of a fresh machin
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -20,22 +19,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 from decode_svc.batch import DecodeBatch
 from epd import fused, kernels, lm, positions
 from epd.lm import TextModelRunner
+from tests.conftest import needs_compiler
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
-                                reason="no C++ compiler or ninja on this machine")
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """The next ``fused.decode_ops()`` decides again (and again after the test)."""
-    monkeypatch.delenv(fused.ENV, raising=False)
-    fused.reset()
-    yield
-    fused.reset()
+pytestmark = needs_compiler
 
 
 @pytest.fixture
-def ops(fresh):
+def ops(fresh_fused):
     if not fused.decode_ops():
         pytest.skip("the decode kernels need AVX-512 BF16 (this CPU or build has not)")
 
@@ -253,7 +243,7 @@ def test_epd_decode_linear_0_puts_a_decode_runner_back_on_onednn(tiny_model_dir,
     assert isinstance(runner.lm_head, kernels.PackedLinear)
 
 
-def test_turned_off_a_decode_runner_keeps_onednn_and_the_torch_norms(tiny_model_dir, fresh, monkeypatch):
+def test_turned_off_a_decode_runner_keeps_onednn_and_the_torch_norms(tiny_model_dir, fresh_fused, monkeypatch):
     monkeypatch.setenv(fused.ENV, "0")
     monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
     calls = []
@@ -265,7 +255,7 @@ def test_turned_off_a_decode_runner_keeps_onednn_and_the_torch_norms(tiny_model_
     assert calls == []
 
 
-def test_a_failed_build_logs_one_warning_and_onednn_stays(tiny_model_dir, fresh, monkeypatch, caplog):
+def test_a_failed_build_logs_one_warning_and_onednn_stays(tiny_model_dir, fresh_fused, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("decode_ops.cpp:1:1: error: this compiler compiles nothing")
 

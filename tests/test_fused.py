@@ -7,7 +7,6 @@ under the user's cache directory, so only the first run of a fresh machine pays 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 import types
 
@@ -19,18 +18,8 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from decode_svc.batch import DecodeBatch
 from epd import fused, lm, positions
 from epd.lm import TextModelRunner
+from tests.conftest import needs_compiler
 
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
-                                    reason="no C++ compiler or ninja on this machine")
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """The next ``fused.ops()`` decides again (and again after the test)."""
-    monkeypatch.delenv(fused.ENV, raising=False)
-    fused.reset()
-    yield
-    fused.reset()
 
 
 def _layer(k_heads, v_heads, k_dim, v_dim, dtype, bias=False, seed=0):
@@ -71,7 +60,7 @@ def _steps(gdn, inputs, conv, recurrent, use_fused, monkeypatch):
     (4, 4, 64, 64, 16),  # vLLM's other head size
     (1, 2, 8, 24, 1),  # a head dim no vector width divides (the scalar path)
 ], ids=lambda s: "x".join(map(str, s)))
-def test_fused_step_matches_the_torch_path(dtype, shape, fresh, monkeypatch):
+def test_fused_step_matches_the_torch_path(dtype, shape, fresh_fused, monkeypatch):
     k_heads, v_heads, k_dim, v_dim, batch = shape
     gdn = _layer(k_heads, v_heads, k_dim, v_dim, dtype, bias=batch == 3)
     # every slot its own window and state; views of larger buffers, as DecodeBatch's leading rows
@@ -93,7 +82,7 @@ def test_fused_step_matches_the_torch_path(dtype, shape, fresh, monkeypatch):
 
 
 @needs_compiler
-def test_the_runner_decodes_through_the_fused_op_and_agrees_with_the_torch_path(tiny_model_dir, fresh, monkeypatch):
+def test_the_runner_decodes_through_the_fused_op_and_agrees_with_the_torch_path(tiny_model_dir, fresh_fused, monkeypatch):
     """A whole batched decode step of the tiny checkpoint, fused (the default) and torch, float32
     and bfloat16: logits agree to rounding and the greedy tokens are the same."""
     calls = []
@@ -127,7 +116,7 @@ def test_the_runner_decodes_through_the_fused_op_and_agrees_with_the_torch_path(
 
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])
-def test_a_failed_build_logs_one_warning_and_the_torch_path_runs(compiler, tmp_path, fresh, monkeypatch, caplog):
+def test_a_failed_build_logs_one_warning_and_the_torch_path_runs(compiler, tmp_path, fresh_fused, monkeypatch, caplog):
     """No compiler, or one whose every compile fails (a fresh cache, so nothing built before can be
     loaded): ops() is None, one warning says why, and the decode step runs the torch path with the
     same results."""
@@ -167,7 +156,7 @@ def _steps_without_env(gdn, inputs, conv, recurrent):
         return [lm._linear_attention_step(gdn, x, buffers, 0) for x in inputs]
 
 
-def test_turned_off_it_builds_nothing(tmp_path, fresh, monkeypatch, caplog):
+def test_turned_off_it_builds_nothing(tmp_path, fresh_fused, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv(fused.ENV, "0")
     with caplog.at_level(logging.WARNING, logger="epd.fused"):
@@ -176,7 +165,7 @@ def test_turned_off_it_builds_nothing(tmp_path, fresh, monkeypatch, caplog):
 
 
 @needs_compiler
-def test_the_op_refuses_inputs_it_does_not_serve(fresh):
+def test_the_op_refuses_inputs_it_does_not_serve(fresh_fused):
     op = fused.ops()
     assert op is not None
     batch, heads, dim = 2, 2, 16
@@ -214,7 +203,7 @@ def test_layer_constants_follow_the_weights_and_accept_inference_tensors():
 
 
 @needs_compiler
-def test_the_layer_bench_times_both_paths(fresh, capsys):
+def test_the_layer_bench_times_both_paths(fresh_fused, capsys):
     from bench import gdn_decode
 
     assert gdn_decode.main(["--batch-sizes", "1,2", "--layers", "2", "--calls", "3"]) == 0
@@ -223,7 +212,7 @@ def test_the_layer_bench_times_both_paths(fresh, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_a_build_killed_part_way_does_not_hang_the_next_one(tmp_path, fresh, monkeypatch):
+def test_a_build_killed_part_way_does_not_hang_the_next_one(tmp_path, fresh_fused, monkeypatch):
     """A role killed while building leaves torch's ``lock`` file in the build directory; the next
     build (here a compiler that fails at once, in a fresh cache) removes it and goes on instead of
     waiting on it forever. Meanwhile a live builder (another process holding the build's flock) is
