@@ -116,11 +116,21 @@ class CoreShare:
 def _alive(path: str) -> bool:
     """Whether the process a ``<pid>.busy`` file is named after still exists."""
     try:
-        os.kill(int(os.path.basename(path).split(".")[0]), 0)
+        pid = int(os.path.basename(path).split(".")[0])
+    except ValueError:
+        return True  # not ours to judge
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user's counts as alive: not
+    ours to judge). What a file named after its writer's pid is checked by before it is removed."""
+    try:
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (ValueError, PermissionError):
-        return True  # not ours to judge
+    except PermissionError:
+        return True
     return True
 
 

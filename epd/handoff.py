@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from epd import errors, tensors
+from epd.core_share import pid_alive
 from epd.lm import HybridState, TextModelRunner
 from epd.v1 import epd_pb2
 
@@ -98,7 +99,7 @@ def remove_shared(path: str) -> None:
 
 def remove_stale_shared(directory: str | None = None) -> int:
     """Remove the handoff files of writers that are gone (a sender killed between writing one and
-    the end of its handoff leaves it behind); returns how many. A prefill worker calls it as it
+    the end of its handoff leaves it behind); returns how many. A prefill servicer calls it as it
     starts, so a restarted one cleans up after the one it replaces."""
     directory = shared_dir() if directory is None else directory
     removed = 0
@@ -107,20 +108,10 @@ def remove_stale_shared(directory: str | None = None) -> int:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             match = _SHARED_NAME.fullmatch(name)
-            if match and not _pid_alive(int(match.group(1))):
+            if match and not pid_alive(int(match.group(1))):
                 remove_shared(os.path.join(directory, name))
                 removed += 1
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's: not ours to judge
-    return True
 
 
 def shared_parts(header: epd_pb2.HandoffHeader) -> Iterator[epd_pb2.HandoffChunk]:

@@ -17,7 +17,7 @@ only composes them.
 
 from __future__ import annotations
 
-from epd import discovery, handoff, memory_plan, rpc
+from epd import discovery, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Load, Membership, RoleContext
 from epd.grammar import tokenizer_for as grammar_tokenizer_for
@@ -53,8 +53,6 @@ class AggregateServer(rpc.RoleServer):
                                      own_loop=False)
         self.decode = DecodeEngine(runner, info.eos_token_ids, config,
                                    grammar_tokenizer=lambda: grammar_tokenizer_for(info), chunk_source=self.prefill)
-        if serve.prefill.shared_memory_handoff:  # the files a killed predecessor left behind
-            handoff.remove_stale_shared()
         internal = rpc.internal_transport(serve.security)
         self._decode_targets = discovery.decode_targets(context, internal, serve.replica_wait_s)
         self.prefill_servicer = PrefillServicer(self.prefill, self._decode_targets, local_handoff=self._local_handoff,

@@ -52,6 +52,8 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
         self.handoffs = {"local": 0, "shared_memory": 0, "stream": 0}
         self._host = host
         self._shared = shared_memory and bool(handoff.shared_dir())
+        if self._shared:  # the files a killed predecessor left behind
+            handoff.remove_stale_shared()
         self._streams_only: set[str] = set()  # decode addresses that cannot read this host's shared memory
         self._drops: set[asyncio.Task] = set()  # handoffs being dropped (their callers left)
 
@@ -234,8 +236,6 @@ class PrefillServer(rpc.RoleServer):
         self.engine = PrefillEngine(runner, info, EmbeddingStore.from_config(serve.store), config, states=states)
         internal = rpc.internal_transport(serve.security)
         self._decode = discovery.decode_targets(context, internal, serve.replica_wait_s)
-        if config.shared_memory_handoff:  # the files a killed predecessor left behind
-            handoff.remove_stale_shared()
         servicer = PrefillServicer(self.engine, self._decode, host=context.host,
                                    shared_memory=config.shared_memory_handoff)
         self._serve([(epd_pb2_grpc.add_PrefillServicer_to_server, servicer, "epd.v1.Prefill")], context.host, internal,
