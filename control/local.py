@@ -160,38 +160,45 @@ class LocalStack:
     def stop(self) -> dict:
         """Drain, then stop everything; returns what the drain did (requests finished and cut)."""
         drained: dict = {}
-        if self._ray_started:
-            import ray
+        try:
+            if self._ray_started:
+                drained = self._stop_ray()
+        finally:  # the files this launcher made go whatever stopping Ray did
+            if self._redis_dir:
+                shutil.rmtree(self._redis_dir, ignore_errors=True)
+                self._redis_dir = ""
+            if self._core_share_dir:
+                shutil.rmtree(self._core_share_dir, ignore_errors=True)
+                if os.environ.get(core_share.ENV) == self._core_share_dir:
+                    del os.environ[core_share.ENV]
+                self._core_share_dir = ""
+        return drained
 
-            from control.controller import stop_controller
+    def _stop_ray(self) -> dict:
+        import ray
 
-            if self.controller is not None:
-                started = time.monotonic()
-                try:
-                    drained = ray.get(self.controller.drain_routers.remote(self.deploy.drain_timeout_s),
-                                      timeout=self.deploy.drain_timeout_s + 90)
-                except Exception as error:  # noqa: BLE001 - stop regardless
-                    log.warning("drain failed: %s", error)
-                drained["drain_s"] = round(time.monotonic() - started, 2)
-                _mute_worker_output_at_exit()
-                stop_controller(self.controller)
-                self.controller = None
-            if self.redis_keeper is not None:
-                try:
-                    ray.get(self.redis_keeper.stop.remote(), timeout=30)
-                except Exception:  # noqa: BLE001 - Ray's shutdown takes it with it
-                    pass
-                self.redis_keeper = None
-            ray.shutdown()
-            self._ray_started = False
-        if self._redis_dir:
-            shutil.rmtree(self._redis_dir, ignore_errors=True)
-            self._redis_dir = ""
-        if self._core_share_dir:
-            shutil.rmtree(self._core_share_dir, ignore_errors=True)
-            if os.environ.get(core_share.ENV) == self._core_share_dir:
-                del os.environ[core_share.ENV]
-            self._core_share_dir = ""
+        from control.controller import stop_controller
+
+        drained: dict = {}
+        if self.controller is not None:
+            started = time.monotonic()
+            try:
+                drained = ray.get(self.controller.drain_routers.remote(self.deploy.drain_timeout_s),
+                                  timeout=self.deploy.drain_timeout_s + 90)
+            except Exception as error:  # noqa: BLE001 - stop regardless
+                log.warning("drain failed: %s", error)
+            drained["drain_s"] = round(time.monotonic() - started, 2)
+            _mute_worker_output_at_exit()
+            stop_controller(self.controller)
+            self.controller = None
+        if self.redis_keeper is not None:
+            try:
+                ray.get(self.redis_keeper.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - Ray's shutdown takes it with it
+                pass
+            self.redis_keeper = None
+        ray.shutdown()
+        self._ray_started = False
         return drained
 
 

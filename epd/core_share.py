@@ -44,7 +44,8 @@ class CoreShare:
     def __init__(self, directory: str, cores: int) -> None:
         self.directory = directory
         self.cores = max(1, cores)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        # the launcher makes the directory and removes it at stop; a role never creates it (one
+        # starting while the stack stops would leave it behind): FileNotFoundError when it is gone
         self.path = os.path.join(directory, f"{os.getpid()}.busy")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._others: dict[str, int] = {}  # path -> an open descriptor to probe it with
@@ -147,7 +148,12 @@ def enable(cores: int) -> CoreShare | None:
         return None
     with _SHARE_LOCK:
         if _SHARE is None:
-            _SHARE = CoreShare(directory, cores)
+            try:
+                _SHARE = CoreShare(directory, cores)
+            except FileNotFoundError:
+                log.warning("%s=%s does not exist: this process's forwards use all %d of its threads", ENV,
+                            directory, cores)
+                return None
             # debug: every role says the same, and an operator's log stays short (docs/ARCHITECTURE.md says it)
             log.debug("forwards split %d cores with the roles computing beside them on this host (%s)", cores,
                       directory)

@@ -33,6 +33,7 @@ def _holder(directory: str, threads: int) -> subprocess.Popen:
 
 def test_a_forward_gets_the_cores_divided_by_the_roles_computing(tmp_path, monkeypatch):
     directory = str(tmp_path / "share")
+    os.mkdir(directory)
     before = torch.get_num_threads()
     share = core_share.CoreShare(directory, cores=4)
     first = second = None
@@ -68,6 +69,16 @@ def test_a_forward_gets_the_cores_divided_by_the_roles_computing(tmp_path, monke
         share.close()
         torch.set_num_threads(before)
     assert not os.path.exists(share.path)
+
+
+def test_a_role_does_not_make_a_missing_share_directory(tmp_path, monkeypatch):
+    """The launcher makes the directory and removes it at stop; a role starting while the stack
+    stops (after the removal) must not make it again and leave it behind."""
+    gone = tmp_path / "stopped"
+    monkeypatch.setenv(core_share.ENV, str(gone))
+    monkeypatch.setattr(core_share, "_SHARE", None)
+    assert core_share.enable(2) is None
+    assert not gone.exists()
 
 
 def test_without_the_variable_nothing_changes(monkeypatch):
