@@ -43,6 +43,11 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel (one zmm of float32 sums)
 constexpr int64_t kMaxRows = 8;  // rows per block (more are taken in blocks)
+// Each panel's stream is prefetched 3 KiB ahead into L2: a decode step's products wait on memory,
+// and 1 KiB ahead into L1 (the kernel's first version) was too short a lead for this memory's
+// latency; 3 KiB into L2 made the 0.8b's linear layers of a batch-8 step ~20% faster on two
+// threads (docs/BENCHMARKS.md, "The few-row kernel's prefetch").
+constexpr int64_t kPrefetchBytes = 3072;
 
 // ---- element traits: how one k step of a panel is loaded and accumulated
 
@@ -82,7 +87,7 @@ inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, i
     __m512i wv[P];
     for (int p = 0; p < P; ++p) {
       const typename E::T* src = w + p * panel_stride + s * kVec;
-      _mm_prefetch(reinterpret_cast<const char*>(src) + 1024, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T1);
       wv[p] = _mm512_loadu_si512(src);
     }
     for (int r = 0; r < R; ++r) {
