@@ -81,6 +81,7 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--snapshot-every-blocks", "serve.prefill.snapshot_every_blocks"),
     _flag("--prefill-chunk-tokens", "serve.prefill.chunk_tokens"),
     _flag("--prefill-batch-tokens", "serve.prefill.batch_tokens"),
+    _flag("--step-tokens", "serve.prefill.step_tokens"),
     _flag("--prefill-max-wait-s", "serve.prefill.max_wait_s"),
     _flag("--prefill-max-held-mb", "serve.prefill.max_held_mb"),
     _flag("--max-batch-size", "serve.decode.max_batch_size"),

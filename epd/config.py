@@ -180,6 +180,11 @@ class PrefillConfig(LMConfig):
     batch_tokens: int = 1024
     """Prompt tokens one prefill forward takes in all: chunks of several prompts share a forward
     up to this budget (at least chunk_tokens)."""
+    step_tokens: int = 2048
+    """An aggregated replica's (``aggregate``) budget for one step: its decode rows plus the prompt
+    chunks riding them (at least chunk_tokens); batch_tokens is a prefill replica's own. Room for a
+    burst's prompts in one forward, as vLLM's max_num_batched_tokens (W1 beside vLLM: 0.81x at
+    1024, 0.90x at 2048, docs/BENCHMARKS.md)."""
     max_wait_s: float = 2.0
     """A prompt that has not run for this many seconds goes first (aging: shortest-first never starves it)."""
     embedding_cache_mb: int = 256
@@ -206,6 +211,7 @@ class PrefillConfig(LMConfig):
         _check_range(self.max_held_mb, 0, 1 << 30, "prefill.max_held_mb")
         _check_range(self.chunk_tokens, 1, 1 << 20, "prefill.chunk_tokens")
         _check_range(self.batch_tokens, 1, 1 << 20, "prefill.batch_tokens")
+        _check_range(self.step_tokens, 1, 1 << 20, "prefill.step_tokens")
         _check_range(self.max_wait_s, 0.01, 3600, "prefill.max_wait_s")
         _check_range(self.embedding_cache_mb, 0, 1 << 20, "prefill.embedding_cache_mb")
         _check_range(self.prefix_cache_mb, 0, 1 << 20, "prefill.prefix_cache_mb")
@@ -615,7 +621,7 @@ class DeployConfig:
     aggregate: bool = False
     """Prefill and decode as one engine per replica (``pd_svc``): each of the ``num_prefill``
     replicas loads the language model once and runs every step's decode rows and prefill chunks
-    (up to prefill.batch_tokens in all) in one forward; a prompt decodes where it was prefilled.
+    (up to prefill.step_tokens in all) in one forward; a prompt decodes where it was prefilled.
     For roles that share one device's cores; separate prefill and decode replicas otherwise."""
     num_routers: int = 1
     """Router replicas (the public entry points)."""

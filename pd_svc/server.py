@@ -3,7 +3,7 @@ model's weights loaded once, one step loop for both.
 
 The decode engine owns the loop; the prefill engine has no thread of its own and is its chunk
 source (``epd.mixed``): every step runs each running decode row and prefill chunks up to
-``prefill.batch_tokens`` (less the decode rows) in one forward (``TextModelRunner.mixed_step``).
+``prefill.step_tokens`` (less the decode rows) in one forward (``TextModelRunner.mixed_step``).
 A prompt whose last chunk ran samples its first token and joins the decode batch of this process
 with its state as it is (``PrefillServicer``'s local handoff: nothing is serialized); only when
 this replica's decode side is full does it hand off over gRPC to another decode endpoint.

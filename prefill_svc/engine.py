@@ -176,7 +176,9 @@ class PrefillEngine:
         self.embeddings: ByteLRU[torch.Tensor] = ByteLRU(self.config.embedding_cache_mb * MIB)
         self.prefix = PrefixCache(self.config.prefix_cache_mb * MIB, self.config.prefix_block_size,
                                   self.config.snapshot_every_blocks)
-        self._scheduler = PrefillScheduler(self.config.chunk_tokens, self.config.batch_tokens, self.config.max_wait_s)
+        # riding another loop's steps, a forward's budget is the step's (decode rows included)
+        self._budget = self.config.batch_tokens if own_loop else self.config.step_tokens
+        self._scheduler = PrefillScheduler(self.config.chunk_tokens, self._budget, self.config.max_wait_s)
         self.held = HeldBytes(self.config.max_held_mb * MIB or _default_budget(runner))
         self._jobs: dict[PromptProgress, PrefillJob] = {}
         self._wake = threading.Condition()
@@ -409,12 +411,12 @@ class PrefillEngine:
             return bool(self._scheduler) and not self._stopping
 
     def take_chunks(self, num_decode_rows: int) -> PlannedChunks | None:
-        """The next forward's chunks (``prefill.batch_tokens`` in all, less ``num_decode_rows``
+        """The next forward's chunks (``prefill.step_tokens`` in all, less ``num_decode_rows``
         when decode rows share the forward), their prompts marked started; expired ones fail here."""
         with self._wake:
             if self._stopping or not self._scheduler:
                 return None
-            budget = self.config.batch_tokens - num_decode_rows if num_decode_rows else None
+            budget = self._budget - num_decode_rows if num_decode_rows else None
             batch = [(self._jobs[progress], end)
                      for progress, end in self._scheduler.next_batch(time.monotonic(), budget)]
             for job, _ in batch:

@@ -33,7 +33,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     # --replica-wait-s: requests wait out the replica's restart, which took 49 s on a machine at load 8
     with serving(tiny_model_dir, "--aggregate", "--encoders", "1", "--prefill-chunk-tokens", "32",
                  "--replica-wait-s", "150",
-                 "--prefill-batch-tokens", "48", "--prefill-metrics-port", str(port), "--log-level", "INFO",
+                 "--step-tokens", "48", "--prefill-metrics-port", str(port), "--log-level", "INFO",
                  log_path=str(tmp_path_factory.mktemp("logs") / "aggregate.log")) as server:
         server.metrics = f"http://127.0.0.1:{port}/metrics"
         yield server

@@ -33,7 +33,7 @@ def engines(tiny_model_dir, redis_url):
     runner = TextModelRunner.load(tiny_model_dir)
     info = ModelInfo.load(tiny_model_dir)
     prefill = PrefillEngine(runner, info, EmbeddingStore(redis_url),
-                            PrefillConfig(chunk_tokens=16, batch_tokens=24, prefix_block_size=16,
+                            PrefillConfig(chunk_tokens=16, step_tokens=24, prefix_block_size=16,
                                           snapshot_every_blocks=4), own_loop=False)
     decode = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(handoff_lease_s=60, max_batch_size=4),
                           chunk_source=prefill)
