@@ -64,7 +64,7 @@ def _generate(prefill: PrefillEngine, decode: DecodeEngine, request_id: str, cas
             return tokens
 
 
-def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_url):
+def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_url, monkeypatch):
     info, prefill, decode = engines
     long_text = user("Tell me a long story about a lighthouse keeper and the sea.")
     turn1 = user("What is in this picture?", SQUARE)
@@ -75,6 +75,16 @@ def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_
     expected = {name: oracle.generate_through_eos(oracle.chat_inputs(messages), n)
                 for name, (messages, n) in conversations.items()}
     results: dict[str, list[int]] = {}
+    step_sizes: list[int] = []  # each step's decode rows + prompt tokens
+    take_chunks = prefill.take_chunks
+
+    def recording(num_decode_rows: int):
+        planned = take_chunks(num_decode_rows)
+        if planned is not None:
+            step_sizes.append(num_decode_rows + planned.num_tokens)
+        return planned
+
+    monkeypatch.setattr(prefill, "take_chunks", recording)  # what decode's loop calls
 
     def run(name: str) -> threading.Thread:
         def target() -> None:
@@ -92,6 +102,8 @@ def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_
     text.join(120)
     assert results == expected
     assert decode.mixed_steps > 0, "no step carried decode rows and prefill chunks together"
+    # the step budget is prefill.step_tokens (24), not the prefill replica's batch_tokens (1024)
+    assert step_sizes and max(step_sizes) <= 24, step_sizes
     assert prefill.work()["computed_tokens"] < sum(len(case.token_ids) for case in cases.values()), \
         "the second turn's prefix was not served from the prefix cache"
     assert decode.num_unfinished() == 0 and prefill.num_waiting() == 0
