@@ -104,8 +104,9 @@ def gemv_bandwidth(dtype: torch.dtype, device: torch.device, repeats: int = 7) -
     matrix = torch.randn(rows, cols, dtype=torch.float32, device=device).to(dtype)
     vector = torch.randn(1, cols, dtype=dtype, device=device)
     products = [functools.partial(torch.nn.functional.linear, weight=matrix)]
-    if kernels.can_prepack(device, dtype):
-        products.append(kernels.PackedLinear(matrix))
+    make = kernels.linear_maker(device, dtype)
+    if make is not None:
+        products.append(make(matrix))
     if kernels.can_decode_pack(matrix):
         products.append(kernels.DecodeLinear(matrix))
     best = min(_median_time(product, vector, device, repeats) for product in products)

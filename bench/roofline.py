@@ -106,8 +106,9 @@ def measure(dtype: torch.dtype, device: str = "cpu", repeats: int = 5) -> Machin
     vector = torch.randn(1, 1024, generator=generator).to(device, dtype)
     products = [lambda: torch.nn.functional.linear(a, b)]
     vectors = [lambda: torch.nn.functional.linear(vector, matrix)]
-    if kernels.can_prepack(torch.device(device), dtype):
-        packed_b, packed_m = kernels.PackedLinear(b), kernels.PackedLinear(matrix)
+    make = kernels.linear_maker(torch.device(device), dtype)  # oneDNN's, or epd's where oneDNN lacks the dtype
+    if make is not None:
+        packed_b, packed_m = make(b), make(matrix)
         products.append(lambda: packed_b(a))
         vectors.append(lambda: packed_m(vector))
     flops = 2 * PEAK_SIZE**3

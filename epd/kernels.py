@@ -317,20 +317,49 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``PackedLinear`` serves this device and dtype (a CPU with oneDNN; bfloat16 only
-    where oneDNN has bfloat16 kernels). Elsewhere (CUDA) ``F.linear`` stays."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has CPU kernels for ``dtype`` here: float32 wherever it is built in, bfloat16
+    only on CPUs with native bfloat16 arithmetic (AVX-512 BF16, AMX, AVX-NE-CONVERT); elsewhere
+    (AVX2 CPUs such as AMD Zen 3) ATen's and oneDNN's bfloat16 products fall back to slow paths
+    (~20 GFLOP/s on two cores at any size)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
 
 
-def prepack_linears(module: torch.nn.Module, make=PackedLinear) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by ``make(weight, bias)`` (default a
-    ``PackedLinear``), in place; returns how many. For inference only: a packed weight has no
-    gradient."""
+def linear_maker(device: torch.device, dtype: torch.dtype):
+    """What replaces an ``nn.Linear`` on this device and dtype: ``PackedLinear`` (oneDNN,
+    pre-packed) where oneDNN serves the dtype; for bfloat16 where it does not, ``DecodeLinear``
+    (epd's packed kernel, which there widens bfloat16 to float32: registers for a few rows, the
+    float32 GEMM a block of panels at a time for many, docs/BENCHMARKS.md "bfloat16 on a CPU
+    without AVX-512") when it is built; None elsewhere (CUDA, or nothing better than
+    ``F.linear``)."""
+    if torch.device(device).type != "cpu":
+        return None
+    if onednn_serves(dtype):
+        return PackedLinear
+    if dtype == torch.bfloat16 and fused.decode_ops():
+        return DecodeLinear
+    return None
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the linear layers get a packed replacement on this device and dtype
+    (``linear_maker``). Elsewhere (CUDA) ``F.linear`` stays."""
+    return linear_maker(device, dtype) is not None
+
+
+def prepack_linears(module: torch.nn.Module, make=None) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(weight, bias)`` (default: what
+    ``linear_maker`` picks for the module's device and dtype), in place; returns how many. For
+    inference only: a packed weight has no gradient."""
+    if make is None:
+        weight = next(module.parameters())
+        make = linear_maker(weight.device, weight.dtype)
+        if make is None:
+            return 0
     count = 0
     for parent in module.modules():
         for name, child in list(parent.named_children()):
@@ -342,8 +371,10 @@ def prepack_linears(module: torch.nn.Module, make=PackedLinear) -> int:
 
 class DecodeLinear(torch.nn.Module):
     """``nn.Linear`` for a decode step's few rows: the weight laid out once in panels of 16 output
-    columns (``torch.ops.epd_decode.pack``) and multiplied by epd's AVX-512 kernel, which reads
-    each weight vector once for all the rows (bfloat16 with ``vdpbf16ps``, float32 with FMAs).
+    columns (``torch.ops.epd_decode.pack``) and multiplied by epd's kernel, which reads each
+    weight vector once for all the rows (AVX-512: bfloat16 with ``vdpbf16ps``, float32 with FMAs;
+    AVX2: bfloat16 widened to float32 in registers, float32 FMAs, and for more than 48 rows the
+    weight widened a block at a time for the float32 GEMM).
 
     Why: oneDNN's pre-packed GEMM, the best library kernel here, reads the weights of a
     batch-8 bfloat16 decode step at well under the memory bandwidth, and splits each product
@@ -354,7 +385,9 @@ class DecodeLinear(torch.nn.Module):
     fifth of the cores; at 256 rows it is level with oneDNN product by product
     (docs/BENCHMARKS.md, "The few-row kernel as the default"). A decode runner uses it unless
     ``EPD_DECODE_LINEAR=0``. Any number of rows is correct (8 at a time over the same panels).
-    Needs ``fused.decode_ops()``.
+    On a CPU without AVX-512 BF16 it is also every bfloat16 runner's and the vision tower's
+    linear layer (``linear_maker``): there oneDNN has no bfloat16 kernels. Needs
+    ``fused.decode_ops()``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

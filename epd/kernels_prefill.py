@@ -55,6 +55,11 @@ def available() -> bool:
     if not torch.backends.mkldnn.is_available():
         log.warning("oneDNN is not available in this torch: prefill products use torch.matmul")
         return False
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # torch's mkldnn_matmul refuses every dtype on such CPUs (AVX2 only, e.g. AMD Zen 3): its
+        # check asks for AVX-512 (or AVX-NE-CONVERT) whatever the inputs; MKL is what runs there
+        log.info("this CPU has no AVX-512: prefill products use torch.matmul (MKL)")
+        return False
     try:
         from epd import fused
 
@@ -281,7 +286,7 @@ class PackedLinearGelu(torch.nn.Module):
 class PatchProjection(torch.nn.Module):
     """The patch embedding's ``Conv3d`` whose kernel is its stride (each patch is one output
     position), as the linear layer it is: ``[N, C, T, P, P] -> [N, D, 1, 1, 1]`` through
-    ``kernels.PackedLinear`` over the flattened patch: for a 448x448 image (784 patches, one
+    ``kernels.PackedLinear`` (or what ``kernels.linear_maker`` picks for the dtype) over the flattened patch: for a 448x448 image (784 patches, one
     thread) 24 -> 4.7 ms in bfloat16 and 61 -> 8.8 ms in float32 against ATen's convolution;
     float32 results within rounding (a different summation order)."""
 
@@ -292,7 +297,8 @@ class PatchProjection(torch.nn.Module):
         if tuple(conv.kernel_size) != tuple(conv.stride) or any(conv.padding) or conv.groups != 1:
             raise ValueError("PatchProjection needs a convolution whose kernel is its stride")
         self.out_channels = conv.out_channels
-        self.linear = kernels.PackedLinear(conv.weight.detach().reshape(conv.out_channels, -1), conv.bias)
+        make = kernels.linear_maker(conv.weight.device, conv.weight.dtype) or kernels.PackedLinear
+        self.linear = make(conv.weight.detach().reshape(conv.out_channels, -1), conv.bias)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -444,11 +444,12 @@ DECODE_LINEAR_ENV = "EPD_DECODE_LINEAR"
 
 def _linear_maker(dtype: torch.dtype, few_rows: bool):
     """What builds the runner's linear layers from a weight: epd's few-row kernel when asked and
-    it serves the dtype, oneDNN's pre-packed GEMM otherwise."""
+    it serves the dtype, otherwise ``kernels.linear_maker``'s choice (oneDNN's pre-packed GEMM,
+    or for bfloat16 where oneDNN has no kernels epd's packed kernel again)."""
     probe = torch.empty(0, 2, dtype=dtype)
     if few_rows and kernels.can_decode_pack(probe):
         return kernels.DecodeLinear
-    return kernels.PackedLinear
+    return kernels.linear_maker(probe.device, dtype)
 
 
 def _project(module: torch.nn.Module, merged: str, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:

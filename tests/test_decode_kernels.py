@@ -27,7 +27,7 @@ pytestmark = needs_compiler
 @pytest.fixture
 def ops(fresh_fused):
     if not fused.decode_ops():
-        pytest.skip("the decode kernels need AVX-512 BF16 (this CPU or build has not)")
+        pytest.skip("the decode kernels need AVX2 and FMA, or AVX-512 BF16 (this CPU or build has neither)")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -40,7 +40,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40, 49, 100])
 @pytest.mark.parametrize("shape", [(96, 64), (37, 130), (2048, 256)])
 def test_decode_linear_matches_f_linear(dtype, rows, shape, ops):
     out_features, in_features = shape
@@ -56,6 +56,50 @@ def test_decode_linear_matches_f_linear(dtype, rows, shape, ops):
     # strided rows (a column slice of a wider tensor) are read in place, same answer
     wide = torch.cat([x[:, 0], torch.randn(rows, 5).to(dtype)], dim=1)[:, :in_features]
     assert torch.equal(layer(wide), out[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_wide_path_computes_what_the_few_row_kernel_does(dtype, rows, ops):
+    """``linear_wide`` (the weight widened a block of panels at a time for the float32 GEMM: what
+    ``linear`` runs for many rows on a CPU without AVX-512) against ``linear`` and ``F.linear``,
+    with a bias and an output width that is not a whole number of panels, over several blocks
+    (3,000 inputs: a block of the widened weight is 4 MiB, 21 panels)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(1000, 3000, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(1000, generator=gen)
+    x = torch.randn(rows, 3000, generator=gen).to(dtype)
+    packed = torch.ops.epd_decode.pack(weight)
+    wide = torch.ops.epd_decode.linear_wide(x, packed, 1000, bias)
+    want = F.linear(x.float(), weight.float(), bias).to(dtype)
+    _close(wide, want, dtype)
+    _close(wide, torch.ops.epd_decode.linear(x, packed, 1000, bias), dtype)
+
+
+def test_without_onednn_bfloat16_every_bfloat16_linear_layer_is_packed_for_epds_kernel(tiny_model_dir, ops,
+                                                                                        monkeypatch):
+    """On a CPU where oneDNN has no bfloat16 kernels (AVX2 only: ATen's bfloat16 products run at
+    ~20 GFLOP/s there), a bfloat16 runner, decode or not, and the vision tower's layers go to
+    ``DecodeLinear``; float32 keeps oneDNN."""
+    from epd import checkpoint, kernels_prefill
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert kernels.linear_maker(torch.device("cpu"), torch.bfloat16) is kernels.DecodeLinear
+    assert kernels.linear_maker(torch.device("cpu"), torch.float32) is kernels.PackedLinear
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "0")  # not the few-row choice: the dtype's
+    runner = TextModelRunner.load(tiny_model_dir, dtype="bfloat16")
+    assert isinstance(runner.lm_head, kernels.DecodeLinear)
+    assert not [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+    reference = TextModelRunner.load(tiny_model_dir, dtype="bfloat16", prepack=False)
+    ids = torch.randint(3, 200, (60,), generator=torch.Generator().manual_seed(0))  # 60 rows: the wide path
+    got, want = (r.logits(r.forward(r.embed(ids), positions.mrope_positions(len(ids), [])[0], r.new_state()))
+                 for r in (runner, reference))
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    vision = checkpoint.build_vision_model(tiny_model_dir, dtype=torch.bfloat16, device="cpu")
+    assert kernels.prepack_linears(vision) > 0
+    kernels_prefill.use_for_vision(vision)
+    assert isinstance(vision.patch_embed.proj.linear, kernels.DecodeLinear)
+    assert not [m for m in vision.modules() if type(m) is torch.nn.Linear]
 
 
 def test_decode_linear_refuses_what_it_does_not_serve(ops):

@@ -256,7 +256,7 @@ def test_runner_uses_epd_kernels(tiny_model_dir, calls, monkeypatch):
 
 # ---------------------------------------------------------------- pre-packed linear layers
 
-needs_onednn = pytest.mark.skipif(not kernels.can_prepack(torch.device("cpu"), torch.float32),
+needs_onednn = pytest.mark.skipif(not kernels.onednn_serves(torch.float32),
                                   reason="no oneDNN in this torch build")
 
 
@@ -265,7 +265,7 @@ needs_onednn = pytest.mark.skipif(not kernels.can_prepack(torch.device("cpu"), t
 @pytest.mark.parametrize("rows", [1, 16, 240])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, rows, bias):
-    if not kernels.can_prepack(torch.device("cpu"), dtype):
+    if not kernels.onednn_serves(dtype):
         pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(96, 64, generator=gen) * 0.1).to(dtype)

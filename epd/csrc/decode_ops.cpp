@@ -16,8 +16,18 @@
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
 // from oneDNN or ATen. The float32 path is fused multiply-adds, k ascending per column.
 //
-// Registered as torch.ops.epd_decode.{pack, linear} (TORCH_LIBRARY, no pybind11). Built at first
-// use by epd/kernels.py through epd.fused.compile_library.
+// Two instruction sets, chosen at build time (the build is -march=native, one per CPU): AVX-512
+// with BF16 (above), or AVX2 + FMA on CPUs without them (AMD Zen 2/3, Intel before Cooper Lake).
+// AVX2 has no bfloat16 arithmetic, and there ATen's and oneDNN's bfloat16 products fall back to
+// slow paths (10-15 GFLOP/s on two Zen 3 cores, against ~165 for float32); this kernel
+// widens the bfloat16 weights to float32 in registers instead (a pair lane's low half is k even,
+// its high half k odd: one shift and one mask), so a step still streams bfloat16 bytes, and sums
+// with float32 FMAs (products of bfloat16 values are exact in float32: the same sums as the
+// AVX-512 path in another order). Products of more than kFewRows rows (prefill chunks, the vision
+// tower) widen the weight a block of panels at a time and multiply with ATen's float32 GEMM.
+//
+// Registered as torch.ops.epd_decode.{pack, linear, linear_wide, ...} (TORCH_LIBRARY, no
+// pybind11). Built at first use by epd/kernels.py through epd.fused.compile_library.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,13 +36,24 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <ATen/ops/mm.h>
+
 #include "vec_math.h"
 
 #include <immintrin.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define EPD_DECODE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define EPD_DECODE_AVX2 1
+#else
+#error "epd_decode needs AVX2 and FMA, or AVX-512 with BF16"
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <type_traits>
 #include <utility>
 #include <cstdint>
 #include <cmath>
@@ -41,7 +62,11 @@
 
 namespace {
 
+#ifdef EPD_DECODE_AVX512
 constexpr int64_t kPanel = 16;  // output columns per panel (one zmm of float32 sums)
+#else
+constexpr int64_t kPanel = 16;  // AVX2: two ymm of float32 sums
+#endif
 constexpr int64_t kMaxRows = 8;  // rows per block (more are taken in blocks)
 // Each panel's stream is prefetched 3 KiB ahead into L2: a decode step's products wait on memory,
 // and 1 KiB ahead into L1 (the kernel's first version) was too short a lead for this memory's
@@ -49,6 +74,7 @@ constexpr int64_t kMaxRows = 8;  // rows per block (more are taken in blocks)
 // threads (docs/BENCHMARKS.md, "The few-row kernel's prefetch").
 constexpr int64_t kPrefetchBytes = 3072;
 
+#ifdef EPD_DECODE_AVX512
 // ---- element traits: how one k step of a panel is loaded and accumulated
 
 struct BF16 {
@@ -164,6 +190,164 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
 }
 
+#endif  // EPD_DECODE_AVX512
+
+#ifdef EPD_DECODE_AVX2
+// ---- AVX2 + FMA: the same packed layout, the weights widened to float32 in registers. A block is
+// up to 4 rows over one panel (8 float32 accumulators, 4 widened weight vectors, 2 broadcasts of
+// the 16 registers); more rows take more blocks over the panel while it is in L1/L2. (Tried: 8
+// rows over 8-column panels in one pass, and later blocks prefetching the next panel; neither
+// was faster on a batch-8 step of the 0.8b, docs/BENCHMARKS.md.)
+
+constexpr int64_t kRowsAvx2 = 4;
+
+inline void widen_pairs(__m256i v, __m256& even, __m256& odd) {
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// R float32 rows x (ldx apart) times one panel (16 columns, k inputs): sums[r][0..15]. With one or
+// two rows each output vector keeps two accumulators (even and odd k), so that FMA latency does
+// not bound the few rows' step.
+template <bool kBf16, int R>
+inline void panel_block(const float* x, int64_t ldx, const void* panel, int64_t k, float (*sums)[kPanel]) {
+  constexpr int S = R <= 2 ? 2 : 1;
+  __m256 acc[R][2][S];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      for (int a = 0; a < S; ++a) acc[r][h][a] = _mm256_setzero_ps();
+  if constexpr (kBf16) {
+    const uint16_t* w = static_cast<const uint16_t*>(panel);
+    for (int64_t s = 0; s < k / 2; ++s) {
+      const uint16_t* src = w + s * 2 * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T1);
+      __m256 e0, o0, e1, o1;
+      widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), e0, o0);
+      widen_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kPanel)), e1, o1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * s);
+        const __m256 xo = _mm256_broadcast_ss(x + r * ldx + 2 * s + 1);
+        acc[r][0][0] = _mm256_fmadd_ps(e0, xe, acc[r][0][0]);
+        acc[r][1][0] = _mm256_fmadd_ps(e1, xe, acc[r][1][0]);
+        acc[r][0][S - 1] = _mm256_fmadd_ps(o0, xo, acc[r][0][S - 1]);
+        acc[r][1][S - 1] = _mm256_fmadd_ps(o1, xo, acc[r][1][S - 1]);
+      }
+    }
+  } else {
+    const float* w = static_cast<const float*>(panel);
+    int64_t kk = 0;
+    for (; kk + 2 <= k; kk += 2) {
+      const float* src = w + kk * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes + 64, _MM_HINT_T1);
+      const __m256 a0 = _mm256_loadu_ps(src), a1 = _mm256_loadu_ps(src + 8);
+      const __m256 b0 = _mm256_loadu_ps(src + kPanel), b1 = _mm256_loadu_ps(src + kPanel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + kk), xb = _mm256_broadcast_ss(x + r * ldx + kk + 1);
+        acc[r][0][0] = _mm256_fmadd_ps(a0, xa, acc[r][0][0]);
+        acc[r][1][0] = _mm256_fmadd_ps(a1, xa, acc[r][1][0]);
+        acc[r][0][S - 1] = _mm256_fmadd_ps(b0, xb, acc[r][0][S - 1]);
+        acc[r][1][S - 1] = _mm256_fmadd_ps(b1, xb, acc[r][1][S - 1]);
+      }
+    }
+    for (; kk < k; ++kk) {
+      const __m256 a0 = _mm256_loadu_ps(w + kk * kPanel), a1 = _mm256_loadu_ps(w + kk * kPanel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * ldx + kk);
+        acc[r][0][0] = _mm256_fmadd_ps(a0, xa, acc[r][0][0]);
+        acc[r][1][0] = _mm256_fmadd_ps(a1, xa, acc[r][1][0]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(sums[r] + 8 * h, S == 2 ? _mm256_add_ps(acc[r][h][0], acc[r][h][S - 1]) : acc[r][h][0]);
+}
+
+template <bool kBf16>
+using PanelFn = void (*)(const float*, int64_t, const void*, int64_t, float (*)[kPanel]);
+
+template <typename T>
+void linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  static constexpr PanelFn<kBf16> blocks[kRowsAvx2] = {&panel_block<kBf16, 1>, &panel_block<kBf16, 2>,
+                                                       &panel_block<kBf16, 3>, &panel_block<kBf16, 4>};
+  // x's rows as contiguous float32, widened once (a view when they already are float32)
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  const int64_t panel_elems = packed.size(1) * packed.size(2);
+  const float* xp = xf.data_ptr<float>();
+  const int64_t ldx = xf.stride(0), ldo = out.stride(0);
+  const T* wp = packed.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (panel_elems * static_cast<int64_t>(sizeof(T))));
+  const int64_t tasks = (panels + grain - 1) / grain;
+  std::atomic<int64_t> next{0};  // tasks claimed from a shared counter, as the AVX-512 path's
+  auto run = [&]() {
+    float sums[kRowsAvx2][kPanel];
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t end = std::min(panels, (task + 1) * grain);
+      for (int64_t p = task * grain; p < end; ++p) {
+        const int64_t col = p * kPanel, valid = std::min<int64_t>(kPanel, n - col);
+        for (int64_t r0 = 0; r0 < m; r0 += kRowsAvx2) {  // every row block over the panel while it is in L1/L2
+          const int64_t rows = std::min<int64_t>(kRowsAvx2, m - r0);
+          blocks[rows - 1](xp + r0 * ldx, ldx, wp + p * panel_elems, k, sums);
+          for (int64_t r = 0; r < rows; ++r) {
+            T* o = op + (r0 + r) * ldo + col;
+            for (int64_t c = 0; c < valid; ++c) o[c] = static_cast<T>(sums[r][c] + (bias ? bias[col + c] : 0.f));
+          }
+        }
+      }
+    }
+  };
+  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
+  if (workers <= 1 || at::in_parallel_region()) {
+    run();
+    return;
+  }
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
+}
+#endif  // EPD_DECODE_AVX2
+
+// ---- many rows (prefill chunks, the vision tower): the weight widened to float32 a block of
+// panels at a time ([K, 16 x panels], a few MiB: it stays in cache for the product) and
+// multiplied by ATen's float32 GEMM, then rounded to x's dtype once. Any instruction set.
+
+// panels [p0, p1) of a packed weight -> float32 dst [k, (p1 - p0) * 16] (row-major)
+template <typename T>
+void widen_panels(const T* packed, int64_t panel_elems, int64_t k, int64_t p0, int64_t p1, float* dst) {
+  const int64_t width = (p1 - p0) * kPanel;
+  constexpr int64_t step = std::is_same_v<T, c10::BFloat16> ? 2 : 1;
+  at::parallel_for(0, k / step, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* src = packed + p * panel_elems + s * kPanel * step;
+        float* row = dst + s * step * width + (p - p0) * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t lane = 0; lane < step; ++lane) row[lane * width + c] = static_cast<float>(src[c * step + lane]);
+      }
+  });
+}
+
+template <typename T>
+void linear_wide_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n, at::Tensor& out) {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const int64_t k = x.size(1), panels = packed.size(0), panel_elems = packed.size(1) * packed.size(2);
+  const int64_t block = std::max<int64_t>(1, (4 << 20) / (k * kPanel * static_cast<int64_t>(sizeof(float))));
+  at::Tensor buffer = at::empty({k * std::min(block, panels) * kPanel}, x.options().dtype(at::kFloat));
+  for (int64_t p0 = 0; p0 < panels; p0 += block) {
+    const int64_t p1 = std::min(panels, p0 + block), col = p0 * kPanel;
+    const int64_t valid = std::min<int64_t>((p1 - p0) * kPanel, n - col);
+    at::Tensor w = buffer.narrow(0, 0, k * (p1 - p0) * kPanel).view({k, (p1 - p0) * kPanel});
+    widen_panels<T>(packed.data_ptr<T>(), panel_elems, k, p0, p1, w.data_ptr<float>());
+    at::Tensor part = at::mm(xf, w).narrow(1, 0, valid);
+    if (bias.has_value()) part.add_(bias->narrow(0, col, valid));
+    out.narrow(1, col, valid).copy_(part);
+  }
+}
+
 // W [N, K] -> panels: bfloat16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/16), K, 16]; padding zero.
 at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "epd_decode.pack: a 2-D CPU weight");
@@ -189,8 +373,9 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
-// x [M, K] (rows of any stride, each contiguous) times the packed W [N, K] -> [M, N] in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+// The checks every product of a packed weight makes; the bias as a pointer (or null).
+const float* check_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.linear: bfloat16 or float32, got ", dtype);
   TORCH_CHECK(packed.scalar_type() == dtype && packed.dim() == 3 && packed.is_contiguous(),
@@ -200,18 +385,54 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   TORCH_CHECK(x.size(1) == packed.size(1) * step, "epd_decode.linear: x has ", x.size(1), " features, the weight ",
               packed.size(1) * step, " (odd bfloat16 widths are not packed)");
   TORCH_CHECK(n > (packed.size(0) - 1) * kPanel && n <= packed.size(0) * kPanel, "epd_decode.linear: bad n");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "epd_decode.linear: bias must be contiguous float32 [n]");
-    b = bias->data_ptr<float>();
-  }
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              "epd_decode.linear: bias must be contiguous float32 [n]");
+  return bias->data_ptr<float>();
+}
+
+// x [M, K] times the packed W [N, K] through the float32 GEMM (``linear`` for many rows on AVX2;
+// an op of its own so that tests and benchmarks reach it at any M).
+at::Tensor linear_wide(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  check_linear(x, packed, n, bias);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-  if (dtype == at::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16)
+    linear_wide_impl<c10::BFloat16>(x, packed, bias, n, out);
+  else
+    linear_wide_impl<float>(x, packed, bias, n, out);
+  return out;
+}
+
+#ifdef EPD_DECODE_AVX2
+// Rows above which AVX2's ``linear`` widens the weight for the float32 GEMM rather than running
+// the register kernel (docs/BENCHMARKS.md, "bfloat16 on a CPU without AVX-512").
+constexpr int64_t kFewRows = 48;
+#endif
+
+// x [M, K] (rows of any stride, each contiguous) times the packed W [N, K] -> [M, N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const float* b = check_linear(x, packed, n, bias);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+#ifdef EPD_DECODE_AVX512
+  if (bf16)
     linear_impl<BF16>(x, packed, b, n, out);
   else
     linear_impl<F32>(x, packed, b, n, out);
+#else
+  if (x.size(0) > kFewRows) {
+    if (bf16)
+      linear_wide_impl<c10::BFloat16>(x, packed, bias, n, out);
+    else
+      linear_wide_impl<float>(x, packed, bias, n, out);
+  } else if (bf16) {
+    linear_avx2<c10::BFloat16>(x, packed, b, n, out);
+  } else {
+    linear_avx2<float>(x, packed, b, n, out);
+  }
+#endif
   return out;
 }
 
@@ -368,12 +589,48 @@ at::Tensor attention_inputs(const at::Tensor& query_gate, const at::Tensor& key,
 
 // ---- decode attention over the paged K/V pool: every slot's query rows against its own tokens
 
-// 16 values of T as float32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+// float32 vectors for the attention: 16 lanes with AVX-512, 8 with AVX2 (head dims are multiples of 16)
+#ifdef EPD_DECODE_AVX512
+struct Vec {
+  using R = __m512;
+  static constexpr int64_t kLanes = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R load(const c10::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R exp(R x) { return epd_vec::vexp(x); }
+  static float sum(R v) { return _mm512_reduce_add_ps(v); }
+};
+#else
+struct Vec {
+  using R = __m256;
+  static constexpr int64_t kLanes = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R load(const c10::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R exp(R x) { return epd_vec::vexp8(x); }
+  static float sum(R v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+};
+#endif
 
 // out[s, h] = softmax(scale q[s, h] K_s^T) V_s for each slot s and query head h, where K_s / V_s are
 // the pool rows runs[offsets[s]..offsets[s+1]) name, kv head h / (heads / kv_heads). float32 math;
@@ -397,9 +654,10 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
         for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
           const T* k = keys + (row * kv_heads + kh) * dim;
           for (int64_t g = 0; g < group; ++g) {
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t i = 0; i < dim; i += 16) sum = _mm512_fmadd_ps(load16(q.data() + g * dim + i), load16(k + i), sum);
-            scores[g * tokens + t] = _mm512_reduce_add_ps(sum) * scale;
+            Vec::R sum = Vec::zero();
+            for (int64_t i = 0; i < dim; i += Vec::kLanes)
+              sum = Vec::fmadd(Vec::load(q.data() + g * dim + i), Vec::load(k + i), sum);
+            scores[g * tokens + t] = Vec::sum(sum) * scale;
           }
         }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -407,14 +665,14 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
         float* sc = scores.data() + g * tokens;
         const float top = *std::max_element(sc, sc + tokens);
-        __m512 vsum = _mm512_setzero_ps();
+        Vec::R vsum = Vec::zero();
         int64_t i = 0;
-        for (; i + 16 <= tokens; i += 16) {
-          const __m512 e = epd_vec::vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + i), _mm512_set1_ps(top)));
-          _mm512_storeu_ps(sc + i, e);
-          vsum = _mm512_add_ps(vsum, e);
+        for (; i + Vec::kLanes <= tokens; i += Vec::kLanes) {
+          const Vec::R e = Vec::exp(Vec::sub(Vec::load(sc + i), Vec::set1(top)));
+          Vec::store(sc + i, e);
+          vsum = Vec::add(vsum, e);
         }
-        float sum = _mm512_reduce_add_ps(vsum);
+        float sum = Vec::sum(vsum);
         for (; i < tokens; ++i) sum += (sc[i] = std::exp(sc[i] - top));
         total[g] = sum;
       }
@@ -422,11 +680,11 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
       for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r)
         for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
           const T* v = values + (row * kv_heads + kh) * dim;
-          for (int64_t i = 0; i < dim; i += 16) {
-            const __m512 vv = load16(v + i);
+          for (int64_t i = 0; i < dim; i += Vec::kLanes) {
+            const Vec::R vv = Vec::load(v + i);
             for (int64_t g = 0; g < group; ++g) {
               float* a = acc.data() + g * dim + i;
-              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * tokens + t]), vv, _mm512_loadu_ps(a)));
+              Vec::store(a, Vec::fmadd(Vec::set1(scores[g * tokens + t]), vv, Vec::load(a)));
             }
           }
         }
@@ -496,6 +754,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
 TORCH_LIBRARY(epd_decode, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("linear_wide(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, Tensor? gate) -> Tensor");
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
@@ -505,6 +764,7 @@ TORCH_LIBRARY(epd_decode, m) {
 TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("linear_wide", &linear_wide);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("attend", &attend);
   m.impl("attention_inputs", &attention_inputs);
