@@ -169,11 +169,36 @@ class BenchConfig:
 
 
 def machine() -> dict:
-    """The machine, and how busy it was (other work on the cores skews every figure)."""
+    """The machine, and how busy it was (other work on the cores skews every figure): its CPU
+    model and vector instruction sets too, since the same 2-core machine type has come with and
+    without AVX-512 BF16, which changes every bfloat16 figure (docs/BENCHMARKS.md)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return {"cpu_count": os.cpu_count(), "memory_gib": round(memory / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version(),
+            "python": platform.python_version(), **cpu_model(),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert")
+
+
+def cpu_model() -> dict:
+    """``cpu_model`` (the model name), ``cpu_family``/``cpu_model_number`` and which of
+    ``VECTOR_FLAGS`` the CPU has, from /proc/cpuinfo (empty where it cannot be read)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
+                if key == "flags":
+                    break
+    except OSError:
+        return {}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", ""), "cpu_family": fields.get("cpu family", ""),
+            "cpu_model_number": fields.get("model", ""), "cpu_flags": [f for f in VECTOR_FLAGS if f in flags]}
 
 
 def run_bench(config: BenchConfig) -> dict:

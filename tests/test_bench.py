@@ -442,3 +442,19 @@ def test_multi_turn_resends_history(addr, tmp_path):
             assert after["prompt_tokens"] > before["prompt_tokens"] + 10
             # ... and the first turn's image again, now served from the store.
             assert (after["images_encoded"], after["images_cached"]) == (0, 1)
+
+
+def test_a_report_names_the_cpu_and_its_vector_instruction_sets():
+    """The same machine type has come with and without AVX-512 BF16, which moves every bfloat16
+    figure several-fold: a report says which it ran on."""
+    from bench.run import VECTOR_FLAGS, machine
+
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.partition(":")[2].split())
+                break
+    record = machine()
+    assert record["cpu_flags"] == [f for f in VECTOR_FLAGS if f in flags]
+    assert record["cpu_model"] and record["cpu_family"].isdigit()
