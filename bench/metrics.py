@@ -7,7 +7,8 @@ the gaps between successive token-carrying chunks, TPOT ``(e2e - ttft) / (output
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -175,3 +176,17 @@ def video_figures(done: Sequence[RequestRecord]) -> dict:
         "ttft_s_clips_encoded": percentiles([r.ttft_s for r in fresh if r.ttft_s is not None]),
         "ttft_s_clips_from_store": percentiles([r.ttft_s for r in cached if r.ttft_s is not None]),
     }
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmups: int = 1) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` after ``warmups`` untimed ones: the
+    in-process benchmarks' timing loop."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from bench.decode_step import machine_info
+from bench.metrics import median_seconds
 from decode_svc.batch import DecodeBatch
 from epd import positions
 from epd.family import EXPERTS_IMPLEMENTATION
@@ -25,16 +24,6 @@ from epd.lm import TextModelRunner
 
 IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 _CONTEXT = 64
-
-
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(model_dir: str, repeats: int = 5) -> dict:
@@ -47,7 +36,7 @@ def measure(model_dir: str, repeats: int = 5) -> dict:
     for impl in IMPLEMENTATIONS:
         config._experts_implementation = impl
         pos, _ = positions.mrope_positions(512, [])
-        prefill_s = _median(lambda: runner.forward(runner.embed(prompt), pos, runner.new_state()), repeats)
+        prefill_s = median_seconds(lambda: runner.forward(runner.embed(prompt), pos, runner.new_state()), repeats)
         prefill_logits = runner.logits(runner.forward(runner.embed(prompt), pos, runner.new_state()))
         row = {"implementation": impl, "prefill_512_s": prefill_s}
         cpos, _ = positions.mrope_positions(_CONTEXT, [])
@@ -60,7 +49,7 @@ def measure(model_dir: str, repeats: int = 5) -> dict:
                 batch.add(state.clone())
             row[f"decode_b{size}_logits"] = runner.decode_step(batch, tokens, [_CONTEXT] * size)
             steps = iter(range(1, 10**6))
-            row[f"decode_b{size}_s"] = _median(
+            row[f"decode_b{size}_s"] = median_seconds(
                 lambda: runner.decode_step(batch, tokens, [_CONTEXT + next(steps)] * size), repeats)
         row["prefill_logits"] = prefill_logits
         rows.append(row)

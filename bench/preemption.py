@@ -12,23 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from bench.metrics import median_seconds
 from decode_svc.batch import DecodeBatch
 from epd import positions
 from epd.lm import TextModelRunner
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(model_dir: str, prompt_tokens: int, generated: int, dtype: str = "float32", repeats: int = 3,
@@ -61,7 +51,7 @@ def measure(model_dir: str, prompt_tokens: int, generated: int, dtype: str = "fl
     with torch.inference_mode():
         swap()  # warm-up
         replay()
-        swap_s, replay_s = _median(swap, repeats), _median(replay, repeats)
+        swap_s, replay_s = median_seconds(swap, repeats, warmups=0), median_seconds(replay, repeats, warmups=0)
     report = {"model": model_dir, "dtype": dtype, "prompt_tokens": prompt_tokens, "generated": generated,
               "state_bytes": state.nbytes(), "swap_out_and_in_s": swap_s, "replay_prefill_s": replay_s,
               "replay_computes_tokens": generated if prefix else total, "replay_over_swap": replay_s / swap_s,

@@ -17,26 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.metrics import median_seconds
 from epd import fused
 
 SHAPES = [(8256, 1024), (7168, 1024), (1024, 3584)]
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs[f"f_linear_{name}"] = lambda: [F.linear(x, w) for x, w in zip(xs, weights)]
             row = {"dtype": name, "rows": m}
             for label, fn in runs.items():
-                seconds = median_s(fn, args.repeats)
+                seconds = median_seconds(fn, args.repeats, warmups=2)
                 row[label] = {"ms": round(seconds * 1e3, 2), "gflops": round(flops / seconds / 1e9, 1)}
             results.append(row)
             print(json.dumps(row), flush=True)
