@@ -524,8 +524,11 @@ def format_report(report: dict) -> str:
         lines += [f"  error: {error}" for error in r["errors"]]
         return lines
 
-    lines = block(f"epd ({report['config']['api']})" if report.get("config", {}).get("api") == "openai" else "epd",
-                  report)
+    settings = report.get("config", {})
+    shape = [] if not settings.get("stack") else \
+        ["aggregated" if settings["stack"].get("aggregate") else "separate P/D"]
+    shown = (["openai"] if settings.get("api") == "openai" else []) + shape
+    lines = block(f"epd ({', '.join(shown)})" if shown else "epd", report)
     ratio = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     if "roofline" in report:
         stages = report["roofline"]["stages"]

@@ -398,8 +398,10 @@ def _cmd_bench(args) -> int:
         if args.model:
             http = {"serve__http__port": 0} if args.api == "openai" else {}
             # The stack takes the key epd serve would (EPD_API_KEY, --api-key-file), and the load sends it.
+            aggregate, _ = flags.one_machine_mode(args, args.config)
             stack = flags.with_secrets(flags.deploy_config(args, flags.BENCH_STACK, args.config,
-                                                           serve__model_dir=args.model, **http), args, os.environ)
+                                                           serve__model_dir=args.model, aggregate=aggregate, **http),
+                                       args, os.environ)
         config = BenchConfig(
             addr=args.addr, stack=stack, num_requests=args.num_requests, concurrency=args.concurrency,
             request_rate=args.request_rate, image_sizes=args.image_sizes, images_per_request=args.images_per_request,
@@ -533,7 +535,9 @@ def _cmd_serve(args) -> int:
 
     _setup_logging(args)
     try:
-        config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config), args, os.environ)
+        aggregate, why = flags.one_machine_mode(args, args.config)
+        config = flags.with_secrets(flags.deploy_config(args, flags.SERVE, args.config, aggregate=aggregate), args,
+                                    os.environ)
     except ConfigError as error:
         args.parser.error(str(error))
     _check_checkpoint(args, config.serve.model_dir)
@@ -548,6 +552,8 @@ def _cmd_serve(args) -> int:
     stack = LocalStack(config)
     failed = ""
     try:
+        logs.say(f"prefill and decode: {'one engine per replica (aggregated)' if config.aggregate else 'separate replicas'}"
+                 f" ({why})")
         address = stack.start()
         say = logs.say  # the command's own lines: JSON too with --log-format json
         say(f"ray at {stack.ray_address} namespace {config.namespace}")
@@ -603,7 +609,7 @@ def _check_memory(args, config) -> None:
     from epd import memory_plan
 
     # a GPU the local Ray node offers (--num-gpus N, or one Ray will detect) goes to the replicas
-    gpus = config.local_gpus > 0 or (config.local_gpus < 0 and os.path.exists("/dev/nvidiactl"))
+    gpus = flags.local_gpus_offered(config.local_gpus)
     on_host = {role: config.replicas(role) for role in memory_plan.MODEL_ROLES
                if not gpus and not config.role_resources(role).num_gpus}
     for role in ("prefill", "decode"):
@@ -614,7 +620,7 @@ def _check_memory(args, config) -> None:
                 args.parser.error(f"{role}.tensor_parallel = {world}: {problem}")
     try:
         memory_plan.check_deployment(config.serve.model_dir, config.serve, on_host,
-                                     memory_plan.host_available(), "this host's RAM")
+                                     memory_plan.host_available(), "this host's RAM", aggregate=config.aggregate)
     except memory_plan.DoesNotFit as error:
         args.parser.error(str(error))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from bench.synthetic import make_image
+from control.flags import local_gpus_offered
 from control.local import LocalStack
 from epd import client
 from epd.config import DeployConfig, ServeConfig
@@ -19,7 +20,8 @@ MAX_TOKENS = 32
 
 def run_demo(model_dir: str) -> int:
     image = make_image(448, 448, seed=1)
-    stack = LocalStack(DeployConfig(serve=ServeConfig(model_dir=model_dir)))
+    # prefill and decode as one engine where they share this machine's cores (as `epd serve` does)
+    stack = LocalStack(DeployConfig(serve=ServeConfig(model_dir=model_dir), aggregate=not local_gpus_offered(-1)))
     try:
         address = stack.start()
         print(f"epd ready at {address}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import secrets
 import types
 import typing
@@ -59,7 +60,11 @@ STACK = (  # what shapes the roles, whichever command starts them
     _flag("--encode-services", "num_encode_services"),
     _flag("--prefill", "num_prefill"),
     _flag("--decode", "num_decode"),
-    _flag("--aggregate", "aggregate"),
+    _flag("--aggregate", "aggregate",
+          help="prefill and decode as one engine per replica, every step's decode rows and prompt chunks in one "
+               "forward (--no-aggregate: separate prefill and decode replicas; default: aggregated for `epd serve` "
+               "and `epd bench --model` on a machine without GPUs, unless a flag shapes separate replicas; "
+               "separate for `epd deploy` and with GPUs)"),
     _flag("--routers", "num_routers"),
     _flag("--dtype", "serve.encode.dtype", "serve.prefill.dtype", "serve.decode.dtype",
           help="weights and activations dtype of every model role (vision tower and language model)"),
@@ -167,6 +172,38 @@ DEPLOY = (
 BENCH_STACK = (REDIS, *STACK)  # `epd bench --model DIR`: its own --model is the checkpoint
 
 
+SEPARATE_SHAPES = ("--decode", "--prefill-tensor-parallel", "--decode-tensor-parallel", "--prefill-threads",
+                   "--decode-threads", "--prefill-cpus", "--decode-cpus", "--decode-metrics-port")
+"""Flags that shape separate prefill and decode replicas: given one, a one-machine stack keeps
+them separate unless --aggregate says otherwise."""
+
+
+def local_gpus_offered(local_gpus: int) -> bool:
+    """Whether the local Ray node offers GPUs to the replicas: ``--num-gpus N`` > 0, or the default
+    (-1) on a machine where Ray will find one."""
+    return local_gpus > 0 or (local_gpus < 0 and os.path.exists("/dev/nvidiactl"))
+
+
+def one_machine_mode(args: argparse.Namespace, config_file: str | None = None) -> tuple[bool, str]:
+    """(aggregate, why) for a stack on this machine (``epd serve``, ``epd bench --model``).
+
+    ``--aggregate`` / ``--no-aggregate`` decide when given. Otherwise prefill and decode run as
+    one engine per replica where they share the same cores (no GPU offered), which measured
+    faster than separate replicas on every CPU tried (docs/BENCHMARKS.md), and as separate
+    replicas where GPUs are offered, where a deploy file gives roles their own resources, or where
+    a flag shapes separate replicas (``SEPARATE_SHAPES``)."""
+    if hasattr(args, "aggregate"):
+        return bool(args.aggregate), "--aggregate" if args.aggregate else "--no-aggregate"
+    if local_gpus_offered(getattr(args, "num_gpus", -1)):
+        return False, "GPUs offered: prefill and decode on their own devices"
+    if config_file:
+        return False, f"{config_file} gives each role its resources"
+    shaped = [flag.option for flag in STACK if flag.option in SEPARATE_SHAPES and hasattr(args, flag.dest)]
+    if shaped:
+        return False, f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} separate replicas"
+    return True, "one machine, no GPU: both share its cores"
+
+
 def add_secret_files(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE (or set EPD_API_KEY)")
     parser.add_argument("--internal-token-file", metavar="FILE",
@@ -211,7 +248,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: 
             options["choices"] = DTYPE_CHOICES
             del options["metavar"]
         text = flag.help or field_docs(cls).get(name, "")
-        if not flag.required:
+        if not flag.required and "default:" not in text:
             default = field_default(cls, name)
             shown = "none" if default in (None, (), "") else "off" if default is False else default
             text += f" (default: {shown})"

@@ -256,11 +256,24 @@ def host_available() -> int:
 # --------------------------------------------------------------------------- roles of a deployment
 
 MODEL_ROLES = ("encoder", "prefill", "decode")
+AGGREGATE = "prefill+decode"
+"""The role of an aggregated replica (``DeployConfig.aggregate``): one process that holds the
+language model once and does both prefill's and decode's work."""
 MIB = 1024**2
 
 
 def need_of_role(raw: dict, role: str, serve) -> Need:
-    """``role_need`` with the sizes ``serve`` (an ``epd.config.ServeConfig``) sets for that role."""
+    """``role_need`` with the sizes ``serve`` (an ``epd.config.ServeConfig``) sets for that role;
+    ``AGGREGATE``: decode's need (the weights once, its pool, slots and logits) plus a step's
+    activations at ``prefill.step_tokens`` and prefill's held states."""
+    if role == AGGREGATE:
+        need = need_of_role(raw, "decode", serve)
+        prefill = role_need(raw, "prefill", serve.prefill.dtype, chunk_tokens=serve.prefill.step_tokens,
+                            max_held_bytes=serve.prefill.max_held_mb * MIB)
+        need.what = AGGREGATE
+        need.parts["step activations"] = prefill.parts["activations"]
+        need.parts["held states"] = prefill.parts["held states"]
+        return need
     if role == "encoder":
         config = serve.encode
         return role_need(raw, "encoder", config.dtype, max_image_patches=config.max_batch_patches or 16384)
@@ -300,13 +313,19 @@ def check_role(model_dir, role: str, serve, available: int, where: str) -> Need:
     return need
 
 
-def check_deployment(model_dir, serve, replicas: dict[str, int], available: int, where: str) -> Need:
+def check_deployment(model_dir, serve, replicas: dict[str, int], available: int, where: str,
+                     aggregate: bool = False) -> Need:
     """Before Ray starts (``epd serve``, every role on this host): raise ``DoesNotFit`` unless the
-    model replicas of every role together fit in ``available`` bytes of ``where``."""
+    model replicas of every role together fit in ``available`` bytes of ``where``. With
+    ``aggregate`` the prefill replicas are aggregated ones (``AGGREGATE``) and decode has none."""
     raw = read_raw_config(model_dir)
-    total = Need(" + ".join(f"{replicas[r]} {r}" for r in MODEL_ROLES if replicas.get(r)),
-                 _dtypes(serve))
-    for role in MODEL_ROLES:
+    replicas = dict(replicas)
+    if aggregate:
+        replicas[AGGREGATE] = replicas.pop("prefill", 0)
+        replicas.pop("decode", None)
+    roles = ("encoder", AGGREGATE) if aggregate else MODEL_ROLES
+    total = Need(" + ".join(f"{replicas[r]} {r}" for r in roles if replicas.get(r)), _dtypes(serve))
+    for role in roles:
         count = replicas.get(role, 0)
         if count:
             need = need_of_role(raw, role, serve)

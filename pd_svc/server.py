@@ -42,8 +42,9 @@ class AggregateServer(rpc.RoleServer):
         rpc.configure(serve.rpc)
         config = serve.decode  # the language model's dtype, threads and cores (prefill's must agree)
         configure_threads(config.num_threads, config.cpus)
-        # before a weight is read: decode's plan (weights once, its K/V pool) is the larger of the two
-        memory_plan.check_role(serve.model_dir, "decode", serve, *memory_plan.device_available(default_device()))
+        # before a weight is read: the weights once, decode's pool and slots, a step's activations
+        memory_plan.check_role(serve.model_dir, memory_plan.AGGREGATE, serve,
+                               *memory_plan.device_available(default_device()))
         info = ModelInfo.load(serve.model_dir)
         # loaded as a decode replica loads it (merged projections: prefill forwards through them
         # cost the same, docs/BENCHMARKS.md), since every decode step of this replica runs here

@@ -65,6 +65,11 @@ def tiny_moe_model_dir(tmp_path_factory) -> str:
     return str(create_checkpoint("tiny-moe", tmp_path_factory.mktemp("ckpt") / "tiny-moe", seed=0, progress=False))
 
 
+DEFAULT_MODE = "<epd serve's own choice of aggregated or separate prefill and decode>"
+"""Give ServeProcess this among its arguments to start `epd serve` without --aggregate or
+--no-aggregate."""
+
+
 class ServeProcess:
     """`epd serve` in its own session; remembers every descendant so teardown can prove cleanup."""
 
@@ -74,6 +79,12 @@ class ServeProcess:
         # sigint_ignored: start it the way a shell script starts a background job (SIGINT ignored,
         # inherited across exec), which must not stop Ctrl-C from stopping it.
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        # Separate prefill and decode replicas unless the test asks for a mode (most tests look at,
+        # kill or scale the decode role); DEFAULT_MODE: the mode `epd serve` picks by itself.
+        if DEFAULT_MODE in extra:
+            extra = tuple(arg for arg in extra if arg != DEFAULT_MODE)
+        elif "--aggregate" not in extra and "--no-aggregate" not in extra:
+            extra = ("--no-aggregate", *extra)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control.cli", "serve", "--model", model_dir, *extra],
             stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True, preexec_fn=ignore,

@@ -1,6 +1,6 @@
-"""An aggregated deployment through the whole stack (`epd serve --aggregate`: Ray local, embedded
-redis-server, gRPC on loopback): one prefill+decode replica, one engine whose steps carry decode
-rows and prefill chunks together. The E/P/D parity shapes (text, images, a second turn whose
+"""An aggregated deployment through the whole stack (`epd serve` on a machine without GPUs, whose
+default it is: Ray local, embedded redis-server, gRPC on loopback): one prefill+decode replica,
+one engine whose steps carry decode rows and prefill chunks together. The E/P/D parity shapes (text, images, a second turn whose
 image-bearing prefix comes from the cache) token-identical to transformers while they share steps,
 and a `kill -9` of the replica under load fails no request."""
 
@@ -17,7 +17,7 @@ import pytest
 from bench.synthetic import make_image
 from epd import client, discovery
 from epd.v1 import epd_pb2_grpc
-from tests.conftest import epd_status, free_port, ray_address, serving
+from tests.conftest import DEFAULT_MODE, epd_status, free_port, ray_address, serving
 from tests.test_cache_e2e import chat, user
 from tests.test_faults import _metric
 
@@ -31,7 +31,8 @@ WIDE = make_image(640, 200, seed=2)
 def stack(tiny_model_dir, tmp_path_factory):
     port = free_port()
     # --replica-wait-s: requests wait out the replica's restart, which took 49 s on a machine at load 8
-    with serving(tiny_model_dir, "--aggregate", "--encoders", "1", "--prefill-chunk-tokens", "32",
+    # no --aggregate: the mode `epd serve` picks where no GPU is offered (--num-gpus 0)
+    with serving(tiny_model_dir, DEFAULT_MODE, "--num-gpus", "0", "--encoders", "1", "--prefill-chunk-tokens", "32",
                  "--replica-wait-s", "150",
                  "--step-tokens", "48", "--prefill-metrics-port", str(port), "--log-level", "INFO",
                  log_path=str(tmp_path_factory.mktemp("logs") / "aggregate.log")) as server:
@@ -40,6 +41,8 @@ def stack(tiny_model_dir, tmp_path_factory):
 
 
 def test_parity_shapes_through_one_engine_token_identical(stack, oracle):
+    assert "prefill and decode: one engine per replica (aggregated) (one machine, no GPU: both share its cores)\n" \
+        in stack.lines
     status = epd_status(ray_address(stack))
     assert status["aggregate"] and status["roles"]["decode"] == []
     assert len(status["roles"]["prefill"]) == 1 and "kv" in status["roles"]["prefill"][0]

@@ -107,7 +107,8 @@ def config_only_397b(tmp_path_factory) -> str:
 def test_epd_serve_refuses_a_deployment_that_cannot_fit_in_one_line(config_only_397b):
     started = time.monotonic()
     result = epd("serve", "--model", config_only_397b, "--dtype", "bfloat16", timeout=60)
-    line = assert_one_line_error(result, "epd serve: error:", "1 encoder + 1 prefill + 1 decode needs",
+    # on a machine without GPUs the stack is aggregated by default: prefill and decode in one replica
+    line = assert_one_line_error(result, "epd serve: error:", "1 encoder + 1 prefill+decode needs",
                                  "this host's RAM has", "bfloat16")
     raw = mp.read_raw_config(config_only_397b)
     assert f"weights {mp.count_params(raw).text * 2 / GIB:.2f} GiB" in line  # the language model's, in bf16
@@ -122,10 +123,12 @@ def test_each_model_role_refuses_before_loading(config_only_397b, monkeypatch):
     from encode_svc.engine import EncoderEngine
     from epd.config import DecodeConfig, ServeConfig
     from epd.discovery import RoleContext
+    from pd_svc.server import AggregateServer
     from prefill_svc.server import PrefillServer
 
     serve = ServeConfig(model_dir=config_only_397b)
-    for role, make in (("decode", DecodeServer), ("prefill", PrefillServer), ("encoder", EncoderEngine)):
+    for role, make in (("decode", DecodeServer), ("prefill", PrefillServer), (r"prefill\+decode", AggregateServer),
+                       ("encoder", EncoderEngine)):
         if role == "encoder":
             monkeypatch.setattr(mp, "host_available", lambda: GIB)
         with pytest.raises(mp.DoesNotFit, match=rf"^{role} needs [0-9.]+ GiB \(weights .*this host's RAM has"):
@@ -145,6 +148,29 @@ def test_a_deployment_that_fits_passes_and_sums_its_replicas(tiny_model_dir):
     assert two.total == 2 * one.total
     with pytest.raises(mp.DoesNotFit, match=r"2 encoder \+ 2 prefill \+ 2 decode needs"):
         mp.check_deployment(tiny_model_dir, serve, {"encoder": 2, "prefill": 2, "decode": 2}, one.total, "RAM")
+
+
+def test_an_aggregated_replica_is_planned_as_both_engines_in_one_process(tiny_model_dir):
+    """One aggregated replica holds the weights once (not a prefill's copy and a decode's), decode's
+    slots and logits, and a step's activations at prefill.step_tokens (not chunk_tokens)."""
+    from epd.config import PrefillConfig, ServeConfig
+
+    raw = mp.read_raw_config(tiny_model_dir)
+    serve = ServeConfig(model_dir=tiny_model_dir, prefill=PrefillConfig(step_tokens=4096, chunk_tokens=256))
+    decode, prefill = mp.need_of_role(raw, "decode", serve), mp.need_of_role(raw, "prefill", serve)
+    both = mp.need_of_role(raw, mp.AGGREGATE, serve)
+    assert both.parts["weights"] == decode.parts["weights"] == prefill.parts["weights"]
+    assert both.parts["step activations"] == 16 * prefill.parts["activations"] - 15 * raw["text_config"]["vocab_size"] * 4
+    assert both.total == decode.total + both.parts["step activations"] + prefill.parts["held states"]
+    # at a step budget of one chunk, two aggregated replicas need two copies of the weights less
+    serve = ServeConfig(model_dir=tiny_model_dir, prefill=PrefillConfig(step_tokens=256, chunk_tokens=256))
+    separate = mp.check_deployment(tiny_model_dir, serve, {"encoder": 1, "prefill": 2, "decode": 2}, 1 << 40, "RAM")
+    aggregated = mp.check_deployment(tiny_model_dir, serve, {"encoder": 1, "prefill": 2, "decode": 0}, 1 << 40, "RAM",
+                                     aggregate=True)
+    assert aggregated.total == separate.total - 2 * both.parts["weights"]
+    with pytest.raises(mp.DoesNotFit, match=r"^1 encoder \+ 2 prefill\+decode needs"):
+        mp.check_deployment(tiny_model_dir, serve, {"encoder": 1, "prefill": 2, "decode": 0}, aggregated.total - 1,
+                            "RAM", aggregate=True)
 
 
 def test_the_roofline_counts_a_moe_tokens_active_experts(tiny_model_dir, tiny_moe_model_dir):

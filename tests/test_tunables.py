@@ -142,3 +142,34 @@ def test_operations_lists_every_tunable_with_its_default():
         row = next((line for line in table.splitlines() if line.startswith(f"| `{option}`")), None)
         assert row is not None, f"{option} missing from docs/OPERATIONS.md's Tunables table"
         assert re.search(rf"\| `?{re.escape(str(default))}`? \|", row), f"{option}: default {default} not in {row!r}"
+
+
+@pytest.mark.parametrize("argv, gpus, aggregate, why", [
+    ([], False, True, "one machine, no GPU"),
+    (["--aggregate"], True, True, "--aggregate"),
+    (["--no-aggregate"], False, False, "--no-aggregate"),
+    (["--decode", "2"], False, False, "--decode shapes separate replicas"),
+    (["--decode-threads", "1", "--decode-cpus", "1"], False, False, "--decode-threads, --decode-cpus shape"),
+    (["--num-gpus", "1"], False, False, "GPUs offered"),
+    ([], True, False, "GPUs offered"),
+])
+def test_one_machine_stacks_default_to_the_aggregated_engine(tiny_model_dir, monkeypatch, argv, gpus, aggregate, why):
+    """`epd serve` on a machine without GPUs runs prefill and decode as one engine per replica
+    (the mode that measured faster on every CPU: docs/BENCHMARKS.md) unless a flag asks for
+    separate replicas or shapes them; with GPUs offered they stay separate. `epd deploy` keeps
+    the config's default (separate)."""
+    import os.path
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda path: gpus if path == "/dev/nvidiactl" else real(path))
+    args = cli._parser().parse_args(["serve", "--model", tiny_model_dir, *argv])
+    chosen, reason = flags.one_machine_mode(args)
+    assert chosen is aggregate and why in reason
+    config = flags.deploy_config(args, flags.SERVE, aggregate=chosen)
+    assert config.aggregate is aggregate and config.replicas("decode") == (0 if aggregate else int(
+        dict(zip(argv, argv[1:])).get("--decode", 1)))
+    deploy = cli._parser().parse_args(["deploy", "--model", tiny_model_dir, "--redis", "redis://127.0.0.1:1/0",
+                                       "--address", "127.0.0.1:1"])
+    assert flags.deploy_config(deploy, flags.DEPLOY, bind="node").aggregate is False
+    explicit = "--aggregate" in argv or "--no-aggregate" in argv  # a deploy file gives roles their own resources
+    assert flags.one_machine_mode(args, "roles.toml")[0] is (aggregate if explicit else False)

@@ -167,14 +167,16 @@ def test_format_report_shows_both_systems_the_ratios_and_the_load():
     report = {**summarize(mine, 5.0, slo), "roofline": {"roofline_s": 2.0, "stages": {"vision_s": 0.5,
               "prefill_s": 0.5, "decode_s": 1.0}}, "efficiency": 0.4, "cached_tokens": 0,
               "load_avg": {"start": 1.5, "end": 2.0, "mean": 1.75, "max": 2.25, "samples": 6},
-              "config": {"api": "openai"}}
+              "config": {"api": "openai", "stack": {"aggregate": True}}}
     report["baseline"] = {"name": "vllm", **summarize(theirs, 2.5, slo),
                           "load_avg": {"start": 2.0, "end": 2.1, "mean": 2.05, "max": 2.5, "samples": 3},
                           "server": {"version": "0.32.0", "startup_s": 71.2, "max_model_len": 4096,
                                      "omp_threads_bind": "0-1"}}
     bench_run.merge_baseline(report, with_roofline=True)
     text = bench_run.format_report(report)
-    assert "efficiency 0.400, baseline 0.800" in text
+    assert "efficiency 0.400, baseline 0.800" in text and "epd (openai, aggregated): 1/1 ok" in text
+    report["config"]["stack"]["aggregate"] = False
+    assert "epd (openai, separate P/D): 1/1 ok" in bench_run.format_report(report)
     assert "vllm 0.32.0 (openai): 1/1 ok" in text and "started in 71 s, --max-model-len 4096" in text
     assert "load average during the run (1 min): 1.50 at start, mean 1.75, max 2.25; prompt tokens 40" in text
     assert "mean 2.05, max 2.50; prompt tokens 47" in text
