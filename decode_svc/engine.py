@@ -41,6 +41,14 @@ from epd.sampling import SamplingConfig, TokenHistory, sample, stops_on
 
 log = logging.getLogger(__name__)
 
+JOIN_WAIT_S = 0.05
+"""With a chunk source: after a step that ended prompts, how long the loop waits for them to join
+its queue before it plans the next step. Each is submitted from another thread (the prefill
+servicer's local handoff) a few milliseconds after its last chunk ran; without the wait the next
+step, often a whole prefill forward, would start without it, and its second token would wait for
+the step after. A prompt that leaves another way (a finish at its first token, a handoff to
+another replica) costs the loop this much once."""
+
 
 class DecodeEngine:
     def __init__(self, runner: TextModelRunner, eos_token_ids: frozenset[int], config: DecodeConfig,
@@ -76,6 +84,7 @@ class DecodeEngine:
         self.mixed_steps = 0  # steps whose forward carried decode rows and prefill chunks (a chunk source's)
         self.prefill_rows_total = 0  # prefill tokens this loop's forwards carried (with or without decode rows)
         self.finished: Counter[str] = Counter()  # requests by finish reason
+        self._submitted = 0  # handoffs submitted so far (a step that ended prompts waits for theirs)
         self._lock = threading.Condition()
         self._stopped = False
         self._source = chunk_source
@@ -147,6 +156,7 @@ class DecodeEngine:
         )
         with self._lock:
             self.scheduler.add(request)
+            self._submitted += 1
             self._lock.notify()
 
     def grammar_state(self, grammar: str, generated) -> GrammarState:
@@ -234,8 +244,13 @@ class DecodeEngine:
             self._lock.notify()
 
     def _loop(self) -> None:
+        joining = None  # (handoffs submitted before the last step, prompts that step ended)
         while True:
             with self._lock:
+                if joining is not None:  # the prompts the last step ended decode in this one
+                    before, ended = joining
+                    self._lock.wait_for(lambda: self._stopped or self._submitted - before >= ended, JOIN_WAIT_S)
+                    joining = None
                 while not self._stopped:
                     ready = self._prepare_step()  # always: it admits and retires between steps
                     if ready or (self._source is not None and self._source.has_chunks()):
@@ -247,6 +262,7 @@ class DecodeEngine:
             planned = self._source.take_chunks(len(members)) if self._source is not None else None
             if not members and planned is None:
                 continue
+            submitted = self._submitted
             try:
                 logits = self._forward(members, planned)
             except Exception as error:  # noqa: BLE001 - a failed step ends its requests, never the loop
@@ -257,6 +273,8 @@ class DecodeEngine:
                     for request in members:
                         self.scheduler.finish(request, FinishReason.ERROR)
                 continue
+            if planned is not None and planned.sample_chunks:
+                joining = (submitted, len(planned.sample_chunks))
             if members:
                 with self._lock:
                     self._publish(members, logits)

@@ -109,6 +109,43 @@ def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_
     assert decode.num_unfinished() == 0 and prefill.num_waiting() == 0
 
 
+def test_a_prompt_decodes_in_the_step_after_its_last_chunk(engines, oracle, redis_url, monkeypatch):
+    """A prompt whose last chunk ran in one step is a decode row of the next, while another prompt
+    is still being prefilled: the loop waits for its handoff (submitted from the caller's thread,
+    as the prefill servicer's local handoff does) before it plans that step, rather than start a
+    prefill forward without it and leave its second token for the step after."""
+    from decode_svc import engine as decode_engine
+
+    info, prefill, decode = engines
+    # a generous bound: the loop goes on as soon as the handoff arrives, however busy the machine
+    monkeypatch.setattr(decode_engine, "JOIN_WAIT_S", 30.0)
+    cases = {"short": Case(oracle, info, redis_url, user("Hi."), max_new_tokens=1),
+             "image": Case(oracle, info, redis_url, user("What is in this picture?", SQUARE), max_new_tokens=1)}
+    steps: list[tuple[int, bool]] = []  # per step that carried chunks: (decode rows, whether a prompt ended)
+    take_chunks = prefill.take_chunks
+
+    def recording(num_decode_rows: int):
+        planned = take_chunks(num_decode_rows)
+        if planned is not None:
+            steps.append((num_decode_rows, bool(planned.sample_chunks)))
+        return planned
+
+    monkeypatch.setattr(prefill, "take_chunks", recording)
+    threads = [threading.Thread(target=_generate, args=(prefill, decode, f"join-{name}", case,
+                                                        SamplingConfig(max_tokens=64, ignore_eos=True)))
+               for name, case in cases.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    ended = [i for i, (_, ends) in enumerate(steps) if ends]
+    assert len(ended) == 2 and ended[0] < ended[1], steps  # the short prompt first, the image's chunks after
+    # every step from the one after the short prompt's end to the image's last chunk carried its row
+    assert all(rows >= 1 for rows, _ in steps[ended[0] + 1:ended[1] + 1]), steps
+    assert ended[1] - ended[0] >= 2, steps  # the image had chunks left to ride
+    assert decode.num_unfinished() == 0 and prefill.num_waiting() == 0
+
+
 def test_an_aggregated_deployment_has_no_decode_replicas_and_one_model_setting(tiny_model_dir):
     serve = ServeConfig(tiny_model_dir)
     config = DeployConfig(serve, aggregate=True, num_decode=3)
