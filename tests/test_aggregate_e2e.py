@@ -1,8 +1,8 @@
 """An aggregated deployment through the whole stack (`epd serve` on a machine without GPUs, whose
 default it is: Ray local, embedded redis-server, gRPC on loopback): one prefill+decode replica,
-one engine whose steps carry decode rows and prefill chunks together. The E/P/D parity shapes (text, images, a second turn whose
-image-bearing prefix comes from the cache) token-identical to transformers while they share steps,
-and a `kill -9` of the replica under load fails no request."""
+one engine whose steps carry decode rows and prefill chunks together. The E/P/D parity shapes
+(text, images, a second turn whose image-bearing prefix comes from the cache) token-identical to
+transformers while they share steps, and a `kill -9` of the replica under load fails no request."""
 
 from __future__ import annotations
 
