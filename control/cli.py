@@ -552,8 +552,8 @@ def _cmd_serve(args) -> int:
     stack = LocalStack(config)
     failed = ""
     try:
-        logs.say(f"prefill and decode: {'one engine per replica (aggregated)' if config.aggregate else 'separate replicas'}"
-                 f" ({why})")
+        shape = "one engine per replica (aggregated)" if config.aggregate else "separate replicas"
+        logs.say(f"prefill and decode: {shape} ({why})")
         address = stack.start()
         say = logs.say  # the command's own lines: JSON too with --log-format json
         say(f"ray at {stack.ray_address} namespace {config.namespace}")

@@ -160,7 +160,8 @@ def test_an_aggregated_replica_is_planned_as_both_engines_in_one_process(tiny_mo
     decode, prefill = mp.need_of_role(raw, "decode", serve), mp.need_of_role(raw, "prefill", serve)
     both = mp.need_of_role(raw, mp.AGGREGATE, serve)
     assert both.parts["weights"] == decode.parts["weights"] == prefill.parts["weights"]
-    assert both.parts["step activations"] == 16 * prefill.parts["activations"] - 15 * raw["text_config"]["vocab_size"] * 4
+    logits = raw["text_config"]["vocab_size"] * 4  # one row's logits, counted once at any chunk size
+    assert both.parts["step activations"] == 16 * prefill.parts["activations"] - 15 * logits
     assert both.total == decode.total + both.parts["step activations"] + prefill.parts["held states"]
     # at a step budget of one chunk, two aggregated replicas need two copies of the weights less
     serve = ServeConfig(model_dir=tiny_model_dir, prefill=PrefillConfig(step_tokens=256, chunk_tokens=256))
