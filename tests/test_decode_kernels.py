@@ -79,13 +79,17 @@ def test_the_wide_path_computes_what_the_few_row_kernel_does(dtype, rows, ops):
 
 
 def test_without_onednn_bfloat16_every_bfloat16_linear_layer_is_packed_for_epds_kernel(tiny_model_dir, ops,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, request):
     """On a CPU where oneDNN has no bfloat16 kernels (AVX2 only: ATen's bfloat16 products run at
     ~20 GFLOP/s there), a bfloat16 runner, decode or not, and the vision tower's layers go to
     ``DecodeLinear``; float32 keeps oneDNN."""
     from epd import checkpoint, kernels_prefill
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    # kernels_prefill.available() is cached per process: what it finds under this pretence must
+    # not outlive the test (the prefill operator would stay off for every later test)
+    kernels_prefill.available.cache_clear()
+    request.addfinalizer(kernels_prefill.available.cache_clear)
     assert kernels.linear_maker(torch.device("cpu"), torch.bfloat16) is kernels.DecodeLinear
     assert kernels.linear_maker(torch.device("cpu"), torch.float32) is kernels.PackedLinear
     monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "0")  # not the few-row choice: the dtype's
