@@ -120,7 +120,8 @@ def test_a_prompt_decodes_in_the_step_after_its_last_chunk(engines, oracle, redi
     # a generous bound: the loop goes on as soon as the handoff arrives, however busy the machine
     monkeypatch.setattr(decode_engine, "JOIN_WAIT_S", 30.0)
     cases = {"short": Case(oracle, info, redis_url, user("Hi."), max_new_tokens=1),
-             "image": Case(oracle, info, redis_url, user("What is in this picture?", SQUARE), max_new_tokens=1)}
+             # a conversation no other test sends: none of its blocks are in the prefix cache
+             "image": Case(oracle, info, redis_url, user("Which colours are in this one?", WIDE), max_new_tokens=1)}
     steps: list[tuple[int, bool]] = []  # per step that carried chunks: (decode rows, whether a prompt ended)
     take_chunks = prefill.take_chunks
 
