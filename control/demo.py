@@ -6,10 +6,11 @@ on the same weights and reports whether the tokens are identical.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from bench.synthetic import make_image
-from control.flags import local_gpus_offered
+from control.flags import one_machine_mode
 from control.local import LocalStack
 from epd import client
 from epd.config import DeployConfig, ServeConfig
@@ -20,8 +21,9 @@ MAX_TOKENS = 32
 
 def run_demo(model_dir: str) -> int:
     image = make_image(448, 448, seed=1)
-    # prefill and decode as one engine where they share this machine's cores (as `epd serve` does)
-    stack = LocalStack(DeployConfig(serve=ServeConfig(model_dir=model_dir), aggregate=not local_gpus_offered(-1)))
+    # the mode `epd serve` would pick with no flags (aggregated where no GPU is offered)
+    aggregate, _ = one_machine_mode(argparse.Namespace())
+    stack = LocalStack(DeployConfig(serve=ServeConfig(model_dir=model_dir), aggregate=aggregate))
     try:
         address = stack.start()
         print(f"epd ready at {address}")
