@@ -63,6 +63,12 @@ class LocalStack:
         # prefill, 3000 spins cost ~10% alone against ~30% for no spin (OMP_WAIT_POLICY=PASSIVE)
         # and match it under contention. Role processes inherit it from the raylet this starts.
         os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+        # Ray renices its workers to 15, under the raylet, GCS, dashboard and this driver (nice 0):
+        # on shared cores any of them that wakes takes a core from a model role's OpenMP team at
+        # once, and the whole team waits at the next barrier for the preempted thread. The roles
+        # are the workload here: at nice 0 the served decode step was ~8% shorter (two A/B pairs,
+        # docs/BENCHMARKS.md). The raylet this starts reads it for the workers it forks.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         # ... and split the cores by how many of them compute at each forward (epd.core_share).
         if core_share.ENV not in os.environ:
             self._core_share_dir = tempfile.mkdtemp(prefix="epd-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm")

@@ -339,3 +339,16 @@ def test_every_role_answers_its_health_probe_within_100_ms_under_load(small_stac
     limit = max(0.1, 3 * quiet)
     assert max(p99.values()) < limit, (f"health probe p99 by address: {p99}, the bare server's {quiet * 1e3:.0f} ms, "
                                        f"limit {limit * 1e3:.0f} ms")
+
+
+def test_model_roles_run_at_the_launchers_niceness(small_stack):
+    """Ray renices its workers to 15 unless told otherwise; the launcher tells it 0 (a role at 15
+    loses a core to every wakeup of Ray's own daemons and the driver, and its whole OpenMP team
+    waits at the next barrier: the served decode step was ~8% longer). The roles keep the niceness
+    of the process that started `epd serve`, this test's."""
+    status = epd_status(ray_address(small_stack))
+    pids = {role: [r["pid"] for r in status["roles"][role]] for role in ("encoder", "prefill", "decode", "router")}
+    assert all(pids.values()), f"a role without replicas: {pids}"
+    mine = os.nice(0)
+    niceness = {role: [_niceness(pid) for pid in found] for role, found in pids.items()}
+    assert all(n == mine for found in niceness.values() for n in found), (niceness, mine)
