@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, errors, imaging, kernels, kernels_prefill, limits, memory_plan, rpc, video
+from epd import checkpoint, core_share, errors, imaging, kernels, kernels_prefill, limits, memory_plan, rpc, video
 from epd.core_share import forward_turn
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
@@ -85,6 +85,9 @@ class EncoderEngine:
             kernels.prepack_linears(self.vision)  # oneDNN with pre-packed weights (docs/bench/kernels.md)
         # on a CPU: the patch embedding as a packed GEMM; in bfloat16 the attention through oneDNN (epd/kernels_prefill.py)
         kernels_prefill.use_for_vision(self.vision, prepack=config.prepack)
+        # a vision forward of a second or more follows the co-located roles' comings and goings
+        for block in getattr(self.vision, "blocks", ()):
+            block.register_forward_pre_hook(lambda module, args: core_share.rebalance())
         info = ModelInfo.load(serve.model_dir)
         self.settings = info.image_settings(config.max_decoded_pixels)
         self.video_settings = info.video_settings()

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ENV = "EPD_CORE_SHARE"
 RESCAN_S = 2.0  # how often the list of co-located roles is read again (replicas come and go)
+REBALANCE_S = 0.02  # inside a forward, the least time between two probes of the other roles
 
 
 class CoreShare:
@@ -52,6 +53,8 @@ class CoreShare:
         self._scanned = 0.0
         self._lock = threading.Lock()  # one forward of this process at a time holds the mark
         self.threads = 0  # the team size the last forward used
+        self._owner = 0  # the thread in a forward now (0: none)
+        self._probed = 0.0
 
     def _rescan(self) -> None:
         now = time.monotonic()
@@ -93,17 +96,36 @@ class CoreShare:
         """Mark this role as computing for one forward, its thread team sized to its share of
         the cores; yields the team size."""
         with self._lock:
-            threads = max(1, self.cores // (1 + self.busy_others()))
-            if threads != self.threads:
-                import torch  # only role processes get here; the launcher imports this module for ENV
-
-                torch.set_num_threads(threads)
-                self.threads = threads
+            threads = self._resize()
             fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._owner = threading.get_ident()
             try:
                 yield threads
             finally:
+                self._owner = 0
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _resize(self) -> int:
+        """Set this thread's torch team to the cores over the roles computing now; returns it."""
+        self._probed = time.monotonic()
+        threads = max(1, self.cores // (1 + self.busy_others()))
+        if threads != self.threads:
+            import torch  # only role processes get here; the launcher imports this module for ENV
+
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+    def rebalance(self) -> int:
+        """Inside a forward, between its layers: size the team again to the roles computing now
+        (at most every REBALANCE_S). A forward's team is otherwise fixed at its start, and a
+        prefill step of a few seconds that began beside the encoder kept one of two cores idle
+        after the encoder's last image, or one that began alone ran two threads beside the
+        encoder's for its whole length (docs/BENCHMARKS.md). A no-op outside a forward or on
+        another thread than the forward's. Returns the team size."""
+        if self._owner != threading.get_ident() or time.monotonic() - self._probed < REBALANCE_S:
+            return self.threads
+        return self._resize()
 
     def close(self) -> None:
         for fd in self._others.values():
@@ -158,6 +180,14 @@ def enable(cores: int) -> CoreShare | None:
             log.debug("forwards split %d cores with the roles computing beside them on this host (%s)", cores,
                       directory)
         return _SHARE
+
+
+def rebalance() -> None:
+    """Between the layers of a forward: its team resized to the roles computing now
+    (``CoreShare.rebalance``); nothing when the host has no core share."""
+    share = _SHARE
+    if share is not None:
+        share.rebalance()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
-from epd import fused, kernels, kernels_prefill
+from epd import core_share, fused, kernels, kernels_prefill
 
 
 @dataclass
@@ -368,6 +368,7 @@ class TextModelRunner:
         cos, sin = self.model.rotary_emb(hidden, position_ids.unsqueeze(1))  # [1, N, rotary_dim]
         mix = _Mix(lengths, states, batch, len(token_ids) if batch is not None else 0)
         for index, layer in enumerate(self.model.layers):
+            core_share.rebalance()  # a step of seconds follows the encoder's comings and goings
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             if self.layer_types[index] == "linear_attention":
@@ -396,6 +397,7 @@ class TextModelRunner:
         residual = hidden.view(size, -1)  # the embedding rows: a temporary of this step
         out = None
         for index, layer in enumerate(self.model.layers):
+            core_share.rebalance()
             normed = _add_norm(out, residual, layer.input_layernorm).view(size, 1, -1)
             if self.layer_types[index] == "linear_attention":
                 out = _linear_attention_step(layer.linear_attn, normed, batch, index)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -87,3 +88,47 @@ def test_without_the_variable_nothing_changes(monkeypatch):
     before = torch.get_num_threads()
     with core_share.forward_turn():
         assert torch.get_num_threads() == before
+
+
+def test_a_long_forward_resizes_its_team_when_another_role_starts_or_stops(tmp_path):
+    """A forward's team follows the other roles between its layers (``rebalance``): it shrinks
+    when another role starts computing part-way and grows back when that one stops, not only at
+    the next forward; outside a forward, or from another thread, nothing changes."""
+    directory = str(tmp_path / "share")
+    os.mkdir(directory)
+    before = torch.get_num_threads()
+    share = core_share.CoreShare(directory, cores=4)
+    other = None
+    try:
+        share.rebalance()  # not in a forward: nothing to resize
+        assert share.threads == 0
+        with share.forward() as threads:
+            assert threads == 4
+            other = _holder(directory, 2)  # starts computing while this forward runs (its share: 2)
+            share._scanned = share._probed = 0.0
+            assert share.rebalance() == 2 and torch.get_num_threads() == 2
+            share._probed = time.monotonic()
+            other_thread = []
+            thread = threading.Thread(target=lambda: other_thread.append(share.rebalance()))
+            thread.start()
+            thread.join()
+            assert other_thread == [2]  # another thread than the forward's changes nothing
+            other.terminate()  # it stops; the forward is still running
+            other.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while share.busy_others() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            share._probed = 0.0
+            assert share.rebalance() == 4 and torch.get_num_threads() == 4
+            other = _holder(directory, 2)
+            share._scanned = 0.0
+            share._probed = time.monotonic()  # within REBALANCE_S of the last probe: no probe yet
+            assert share.rebalance() == 4
+            share._probed = 0.0
+            assert share.rebalance() == 2
+    finally:
+        if other is not None and other.poll() is None:
+            other.kill()
+            other.wait()
+        share.close()
+        torch.set_num_threads(before)
