@@ -331,9 +331,10 @@ class DecodeEngine:
     def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:
         """Under the lock: sample each row and hand the token to its request. A row whose logits
         are not finite (a numerical blow-up in that request alone) fails only that request."""
-        # one pass over the logits for both checks: a row's min and max are finite exactly when
-        # every value is (NaN propagates through both)
-        low, high = torch.aminmax(logits, dim=-1)
+        # a row's min and max are finite exactly when every value is (NaN propagates through
+        # both); amin and amax apart, as ATen vectorizes each: 0.2 ms for 16 rows of Qwen3.5's
+        # 248,320 logits on 2 cores, where the one aminmax pass took 4.5-5.5 ms (of a ~100 ms step)
+        low, high = logits.amin(dim=-1), logits.amax(dim=-1)
         finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
         # rows whose choice is the plain argmax (greedy, nothing changes the logits, no logprobs):
         # one batched argmax for them all, the same first-maximum index ``sample`` would pick
