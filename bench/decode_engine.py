@@ -1,4 +1,4 @@
-"""``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100] [--threads 0]``:
+"""``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100] [--prompt-tokens 48] [--threads 0]``:
 the decode engine's step as a served replica runs it, in one process: ``--batch`` prompts
 prefilled, handed to a ``DecodeEngine`` and decoded greedily for ``--tokens`` tokens each while
 this thread reads their event queues as a stream would. Prints the wall time per engine step
@@ -23,7 +23,8 @@ from epd.sampling import SamplingConfig
 PROMPT_TOKENS = 48
 
 
-def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int) -> tuple[int, float]:
+def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int,
+                      prompt_tokens: int = PROMPT_TOKENS) -> tuple[int, float]:
     """(engine steps, wall seconds) for ``batch`` requests of ``tokens`` greedy tokens each."""
     runner = TextModelRunner.load(model_dir, dtype=dtype, decode=True)  # as a decode replica loads it
     runner.prepare_decode_kernels()
@@ -32,12 +33,12 @@ def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int) -> tu
     try:
         streams = []
         for i in range(batch):
-            ids = torch.randint(0, runner.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(i))
-            pos, rope_delta = positions.mrope_positions(PROMPT_TOKENS, [])
+            ids = torch.randint(0, runner.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(i))
+            pos, rope_delta = positions.mrope_positions(prompt_tokens, [])
             state = runner.new_state()
             first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
             events: queue.Queue = queue.Queue()
-            engine.submit(f"r{i}", PROMPT_TOKENS, rope_delta, first,
+            engine.submit(f"r{i}", prompt_tokens, rope_delta, first,
                           SamplingConfig(max_tokens=tokens, ignore_eos=True), state, 0)
             engine.claim(f"r{i}", events.put)
             streams.append(events)
@@ -62,12 +63,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each request's prompt length")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps, wall = time_engine_steps(args.model, args.dtype, args.batch, args.tokens)
-    print(f"{args.dtype}, batch {args.batch}, {args.tokens} tokens each: {steps} engine steps, "
+    steps, wall = time_engine_steps(args.model, args.dtype, args.batch, args.tokens, args.prompt_tokens)
+    print(f"{args.dtype}, batch {args.batch}, {args.prompt_tokens}-token prompts, {args.tokens} tokens each: {steps} engine steps, "
           f"{wall / max(1, steps) * 1e3:.1f} ms a step")
 
 
