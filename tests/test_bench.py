@@ -458,3 +458,45 @@ def test_a_report_names_the_cpu_and_its_vector_instruction_sets():
     record = machine()
     assert record["cpu_flags"] == [f for f in VECTOR_FLAGS if f in flags]
     assert record["cpu_model"] and record["cpu_family"].isdigit()
+
+
+def test_step_timeline_reads_a_replicas_metrics_interval_by_interval():
+    """bench.step_timeline scrapes the Prometheus text a replica serves and turns its counters into
+    per-interval deltas (steps, riding prompt tokens, mean rows), with the gauges at each end."""
+    import http.server
+    import threading
+
+    from bench import step_timeline
+
+    pages = iter([
+        "epd_decode_steps_total 10\nepd_decode_batch_rows_total 40\nepd_decode_running_requests 4\n"
+        "epd_decode_mixed_steps_total 1\nepd_decode_riding_prefill_tokens_total 200\n",
+        'epd_decode_steps_total 15\nepd_decode_batch_rows_total 80\nepd_decode_running_requests 8\n'
+        'epd_decode_mixed_steps_total 2\nepd_decode_riding_prefill_tokens_total 447\n'
+        'epd_prefill_waiting_prompts 3\nepd_decode_requests_finished_total{reason="length"} 9\n',
+    ])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(pages).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        samples = [(100.0, step_timeline.scrape(url)), (100.5, step_timeline.scrape(url))]
+    finally:
+        server.shutdown()
+    assert "epd_decode_requests_finished_total" not in samples[1][1]  # labelled samples are left out
+    [row] = step_timeline.rows(samples)
+    assert row["t_s"] == 0.5 and row["steps"] == 5 and row["mixed_steps"] == 1 and row["riding_tokens"] == 247
+    assert row["mean_rows"] == 8.0 and row["step_ms"] == 100.0 and row["running"] == 8
+    assert row["waiting_prompts"] == 3 and row["prompt_tokens"] == 0
+    assert "riding_tokens" in step_timeline.table([row])
