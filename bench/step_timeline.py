@@ -4,8 +4,9 @@ runs (start the stack with ``--prefill-metrics-port N``, the aggregated replica'
 at ``http://127.0.0.1:N/metrics`` and run ``epd bench --addr ...`` or the load of your choice).
 
 Each row is one interval: decode steps run, how many of them also carried prefill chunks, the
-prefill tokens those carried, the mean decode batch of the interval's steps, the requests
-running and the prompts waiting at its end, and the prompt tokens computed. It is how
+prefill tokens those carried, the mean decode batch of the interval's steps, the interval's
+length over its steps (a step longer than the interval shows as intervals of none, then one),
+the requests running and the prompts waiting at its end, and the prompt tokens computed. It is how
 docs/BENCHMARKS.md reads where a workload's wall time goes (a phase of prompt-carrying steps, a
 phase of decode at half a batch...), on the served system rather than a model of it.
 

@@ -494,6 +494,7 @@ def test_step_timeline_reads_a_replicas_metrics_interval_by_interval():
         samples = [(100.0, step_timeline.scrape(url)), (100.5, step_timeline.scrape(url))]
     finally:
         server.shutdown()
+        server.server_close()
     assert "epd_decode_requests_finished_total" not in samples[1][1]  # labelled samples are left out
     [row] = step_timeline.rows(samples)
     assert row["t_s"] == 0.5 and row["steps"] == 5 and row["mixed_steps"] == 1 and row["riding_tokens"] == 247
