@@ -1,5 +1,5 @@
-"""``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100] [--prompt-tokens 48] [--threads 0]``:
-the decode engine's step as a served replica runs it, in one process: ``--batch`` prompts
+"""``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100]
+[--prompt-tokens 48] [--threads 0]``: the decode engine's step as a served replica runs it, in one process: ``--batch`` prompts
 prefilled, handed to a ``DecodeEngine`` and decoded greedily for ``--tokens`` tokens each while
 this thread reads their event queues as a stream would. Prints the wall time per engine step
 (forward, sampling and publishing together), to set beside ``epd bench decode-step`` (the bare
@@ -69,8 +69,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     steps, wall = time_engine_steps(args.model, args.dtype, args.batch, args.tokens, args.prompt_tokens)
-    print(f"{args.dtype}, batch {args.batch}, {args.prompt_tokens}-token prompts, {args.tokens} tokens each: {steps} engine steps, "
-          f"{wall / max(1, steps) * 1e3:.1f} ms a step")
+    print(f"{args.dtype}, batch {args.batch}, {args.prompt_tokens}-token prompts, {args.tokens} tokens each: "
+          f"{steps} engine steps, {wall / max(1, steps) * 1e3:.1f} ms a step")
 
 
 if __name__ == "__main__":
