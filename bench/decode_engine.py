@@ -1,10 +1,10 @@
 """``python -m bench.decode_engine MODEL [--dtype bfloat16] [--batch 8] [--tokens 100]
 [--prompt-tokens 48] [--threads 0]``: the decode engine's step as a served replica runs it, in
 one process: ``--batch`` prompts of ``--prompt-tokens`` prefilled, handed to a ``DecodeEngine``
-and decoded greedily for ``--tokens`` tokens each while
-this thread reads their event queues as a stream would. Prints the wall time per engine step
-(forward, sampling and publishing together), to set beside ``epd bench decode-step`` (the bare
-forward) and a served run's TPOT (the same step behind gRPC, in a Ray worker)."""
+and decoded greedily for ``--tokens`` tokens each while this thread reads their event queues as a
+stream would. Prints the wall time per engine step (forward, sampling and publishing together), to
+set beside ``epd bench decode-step`` (the bare forward) and a served run's TPOT (the same step
+behind gRPC, in a Ray worker)."""
 
 from __future__ import annotations
 
