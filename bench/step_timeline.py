@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+from bench import dashboard
 
 # counters (deltas per interval) and gauges (values at the interval's end), unlabelled samples only
 COUNTERS = ("epd_decode_steps_total", "epd_decode_mixed_steps_total", "epd_decode_riding_prefill_tokens_total",
@@ -31,16 +31,12 @@ GAUGES = ("epd_decode_running_requests", "epd_prefill_waiting_prompts")
 
 
 def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
-    """The unlabelled samples of COUNTERS and GAUGES at ``url`` now."""
+    """The unlabelled samples of COUNTERS and GAUGES at ``url`` now (parsed as the dashboard's
+    scrape parses them)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text = response.read().decode()
-    wanted = set(COUNTERS) | set(GAUGES)
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted and not sample.labels:
-                values[sample.name] = sample.value
-    return values
+        samples = dashboard.parse(response.read().decode())
+    return {name: samples[dashboard.key(name, {})] for name in (*COUNTERS, *GAUGES)
+            if dashboard.key(name, {}) in samples}
 
 
 def rows(samples: list[tuple[float, dict[str, float]]]) -> list[dict[str, float]]:
