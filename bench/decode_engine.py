@@ -25,25 +25,31 @@ PROMPT_TOKENS = 48
 
 
 def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int,
-                      prompt_tokens: int = PROMPT_TOKENS) -> tuple[int, float]:
-    """(engine steps, wall seconds) for ``batch`` requests of ``tokens`` greedy tokens each."""
+                      prompt_tokens: int = PROMPT_TOKENS) -> tuple[int, float, int]:
+    """(engine steps, wall seconds, rows over those steps) for ``batch`` requests of ``tokens`` greedy tokens each."""
     runner = TextModelRunner.load(model_dir, dtype=dtype, decode=True)  # as a decode replica loads it
     runner.prepare_decode_kernels()
     info = ModelInfo.load(model_dir)
     engine = DecodeEngine(runner, info.eos_token_ids, DecodeConfig(max_batch_size=batch))
     try:
-        streams = []
+        # every prompt prefilled before any is submitted: a request submitted while the next
+        # prompts still prefill would decode (and finish) alone, and the timed steps would not
+        # be ``batch`` rows
+        prefilled = []
         for i in range(batch):
             ids = torch.randint(0, runner.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(i))
             pos, rope_delta = positions.mrope_positions(prompt_tokens, [])
             state = runner.new_state()
             first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
+            prefilled.append((rope_delta, first, state))
+        streams = []
+        for i, (rope_delta, first, state) in enumerate(prefilled):
             events: queue.Queue = queue.Queue()
             engine.submit(f"r{i}", prompt_tokens, rope_delta, first,
                           SamplingConfig(max_tokens=tokens, ignore_eos=True), state, 0)
             engine.claim(f"r{i}", events.put)
             streams.append(events)
-        start, steps_before, finished = time.perf_counter(), engine.steps, 0
+        start, steps_before, rows_before, finished = time.perf_counter(), engine.steps, engine.batch_sizes_total, 0
         while finished < batch:
             for events in streams:
                 try:
@@ -53,7 +59,7 @@ def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int,
                 except queue.Empty:
                     pass
             time.sleep(0.002)
-        return engine.steps - steps_before, time.perf_counter() - start
+        return engine.steps - steps_before, time.perf_counter() - start, engine.batch_sizes_total - rows_before
     finally:
         engine.stop()
 
@@ -69,9 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps, wall = time_engine_steps(args.model, args.dtype, args.batch, args.tokens, args.prompt_tokens)
+    steps, wall, rows = time_engine_steps(args.model, args.dtype, args.batch, args.tokens, args.prompt_tokens)
     print(f"{args.dtype}, batch {args.batch}, {args.prompt_tokens}-token prompts, {args.tokens} tokens each: "
-          f"{steps} engine steps, {wall / max(1, steps) * 1e3:.1f} ms a step")
+          f"{steps} engine steps of {rows / max(1, steps):.1f} rows on average, "
+          f"{wall / max(1, steps) * 1e3:.1f} ms a step")
 
 
 if __name__ == "__main__":

@@ -137,11 +137,12 @@ def test_add_rms_norm_matches_the_residual_add_and_the_norm(dtype, rows, ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_one_request_at_a_time(dtype, ops):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (8, 2, 256), (10, 2, 48), (3, 3, 16)])
+def test_paged_attention_matches_one_request_at_a_time(dtype, heads, kv_heads, dim, ops):
     """Every slot in one call against ``decode_attention`` per slot, over the pool's rows: one run,
-    several runs (a fragmented block table), one token, and more query heads per K/V head."""
+    several runs (a fragmented block table), one token; query heads per K/V head from 1 to 5 (the
+    kernel takes them four at a time) and head dims that its register blocks do and do not divide."""
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim = 8, 2, 32
     keys, values = (torch.randn(300, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     query = torch.randn(4, heads, 1, dim, generator=gen).to(dtype)
     slot_runs = [[(0, 17)], [(32, 64), (100, 101)], [(200, 201)], [(16, 48), (64, 80), (250, 300)]]
@@ -153,6 +154,12 @@ def test_paged_attention_matches_one_request_at_a_time(dtype, ops):
         k, v = (torch.cat([pool[a:b] for a, b in slot_run]) for pool in (keys, values))
         want = kernels.decode_attention(query[slot : slot + 1], k, v, dim**-0.5)
         _close(got[slot : slot + 1], want, dtype)
+    # gated (the o_proj input Qwen3.5's attention makes): out * sigmoid(gate), each rounded as torch rounds
+    gate = torch.randn(4, heads * 2 * dim, generator=gen).to(dtype)
+    gated = kernels.paged_decode_attention(query, keys, values, runs, offsets, dim**-0.5, gate)
+    assert gated.shape == (4, heads * dim) and gated.dtype == dtype
+    want = got.reshape(4, heads * dim) * torch.sigmoid(gate.view(4, heads, 2, dim)[:, :, 1].reshape(4, heads * dim))
+    _close(gated, want, dtype)
     with pytest.raises(RuntimeError, match="outside the pool"):
         kernels.paged_decode_attention(query, keys, values, runs + 300, offsets, 1.0)
 

@@ -632,36 +632,117 @@ struct Vec {
 };
 #endif
 
+// Scores of up to 4 query heads of one group (G of them, q: G rows of dim floats) against each of
+// a slot's K rows: scores[g * tokens + t] = scale * q_g . k_t. Each K row is read (and converted)
+// once for the G heads; each head's sum is the same chain of fused multiply-adds over the dim's
+// vectors as one head alone would make, so the scores do not depend on G.
+template <int G, typename T>
+inline void group_scores(const float* q, int64_t dim, const T* keys, int64_t row_stride, const int64_t* runs,
+                         int64_t first_run, int64_t last_run, float scale, float* scores, int64_t tokens) {
+  int64_t t = 0;
+  for (int64_t r = first_run; r < last_run; ++r)
+    for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
+      const T* k = keys + row * row_stride;
+      Vec::R sum[G];
+      for (int g = 0; g < G; ++g) sum[g] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += Vec::kLanes) {
+        const Vec::R kv = Vec::load(k + i);
+        for (int g = 0; g < G; ++g) sum[g] = Vec::fmadd(Vec::load(q + g * dim + i), kv, sum[g]);
+      }
+      for (int g = 0; g < G; ++g) scores[g * tokens + t] = Vec::sum(sum[g]) * scale;
+    }
+}
+
+// acc[g][c0 .. c0 + NB vectors) = sum over the slot's V rows t of p[g, t] v_t, for G heads of one
+// group: the G x NB sums stay in registers while the rows stream by, in row order, so each sum is
+// the same chain of fused multiply-adds as one accumulated in memory row by row.
+template <int G, int NB, typename T>
+inline void group_values(const float* probs, int64_t tokens, const T* values, int64_t row_stride, int64_t c0,
+                         const int64_t* runs, int64_t first_run, int64_t last_run, float* acc, int64_t dim) {
+  Vec::R sum[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c) sum[g][c] = Vec::zero();
+  int64_t t = 0;
+  for (int64_t r = first_run; r < last_run; ++r)
+    for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
+      const T* v = values + row * row_stride + c0;
+      Vec::R vv[NB];
+      for (int c = 0; c < NB; ++c) vv[c] = Vec::load(v + c * Vec::kLanes);
+      for (int g = 0; g < G; ++g) {
+        const Vec::R p = Vec::set1(probs[g * tokens + t]);
+        for (int c = 0; c < NB; ++c) sum[g][c] = Vec::fmadd(p, vv[c], sum[g][c]);
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c) Vec::store(acc + g * dim + c0 + c * Vec::kLanes, sum[g][c]);
+}
+
+// PV for G heads over the whole dim, in blocks of as many vectors as the registers hold
+template <int G, typename T>
+inline void group_values_all(const float* probs, int64_t tokens, const T* values, int64_t row_stride,
+                             const int64_t* runs, int64_t first_run, int64_t last_run, float* acc, int64_t dim) {
+#ifdef EPD_DECODE_AVX512
+  constexpr int kBlock = G <= 2 ? 8 : 4;  // G x kBlock sums + kBlock rows in 32 zmm
+#else
+  constexpr int kBlock = G <= 2 ? 4 : 2;  // ... in 16 ymm
+#endif
+  int64_t c0 = 0;
+  for (; c0 + kBlock * Vec::kLanes <= dim; c0 += kBlock * Vec::kLanes)
+    group_values<G, kBlock>(probs, tokens, values, row_stride, c0, runs, first_run, last_run, acc, dim);
+  for (; c0 < dim; c0 += Vec::kLanes)
+    group_values<G, 1>(probs, tokens, values, row_stride, c0, runs, first_run, last_run, acc, dim);
+}
+
+template <typename T>
+inline void scores_for(int g_count, const float* q, int64_t dim, const T* keys, int64_t row_stride,
+                       const int64_t* runs, int64_t first_run, int64_t last_run, float scale, float* scores,
+                       int64_t tokens) {
+  switch (g_count) {
+    case 1: return group_scores<1>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    case 2: return group_scores<2>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    case 3: return group_scores<3>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    default: return group_scores<4>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
+  }
+}
+
+template <typename T>
+inline void values_for(int g_count, const float* probs, int64_t tokens, const T* values, int64_t row_stride,
+                       const int64_t* runs, int64_t first_run, int64_t last_run, float* acc, int64_t dim) {
+  switch (g_count) {
+    case 1: return group_values_all<1>(probs, tokens, values, row_stride, runs, first_run, last_run, acc, dim);
+    case 2: return group_values_all<2>(probs, tokens, values, row_stride, runs, first_run, last_run, acc, dim);
+    case 3: return group_values_all<3>(probs, tokens, values, row_stride, runs, first_run, last_run, acc, dim);
+    default: return group_values_all<4>(probs, tokens, values, row_stride, runs, first_run, last_run, acc, dim);
+  }
+}
+
 // out[s, h] = softmax(scale q[s, h] K_s^T) V_s for each slot s and query head h, where K_s / V_s are
-// the pool rows runs[offsets[s]..offsets[s+1]) name, kv head h / (heads / kv_heads). float32 math;
-// one (slot, kv head) per task: its query heads share each K and V row read.
+// the pool rows runs[offsets[s]..offsets[s+1]) name, kv head h / (heads / kv_heads). float32 math.
+// One (slot, kv head) is a unit of work: its query heads share each K and V row read, four at a
+// time. The team takes units from a shared counter rather than in fixed shares, so a thread that
+// lost its core for a while, or drew the longer slots, does not hold up the others.
 template <typename T>
 void attend_impl(const T* query, const T* keys, const T* values, const int64_t* runs, const int64_t* offsets,
                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, const T* gate,
                  int64_t ld_gate, T* out) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), acc(group * dim), scores;
-    for (int64_t unit = begin; unit < end; ++unit) {
+  const int64_t group = heads / kv_heads, units = batch * kv_heads, row_stride = kv_heads * dim;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(units, at::get_num_threads())), 1,
+                   [&](int64_t, int64_t) {
+    std::vector<float> q(group * dim), acc(group * dim), scores, total(group);
+    for (int64_t unit = next.fetch_add(1); unit < units; unit = next.fetch_add(1)) {
       const int64_t s = unit / kv_heads, kh = unit % kv_heads;
+      const int64_t first_run = offsets[s], last_run = offsets[s + 1];
       int64_t tokens = 0;
-      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r) tokens += runs[2 * r + 1] - runs[2 * r];
-      scores.assign(group * tokens, 0.f);
+      for (int64_t r = first_run; r < last_run; ++r) tokens += runs[2 * r + 1] - runs[2 * r];
+      scores.resize(group * tokens);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < dim; ++i) q[g * dim + i] = to_float(query[(s * heads + kh * group + g) * dim + i]);
-      int64_t t = 0;
-      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r)
-        for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
-          const T* k = keys + (row * kv_heads + kh) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            Vec::R sum = Vec::zero();
-            for (int64_t i = 0; i < dim; i += Vec::kLanes)
-              sum = Vec::fmadd(Vec::load(q.data() + g * dim + i), Vec::load(k + i), sum);
-            scores[g * tokens + t] = Vec::sum(sum) * scale;
-          }
-        }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> total(group);
+      const T* k_head = keys + kh * dim;
+      const T* v_head = values + kh * dim;
+      for (int64_t g0 = 0; g0 < group; g0 += 4)
+        scores_for(static_cast<int>(std::min<int64_t>(4, group - g0)), q.data() + g0 * dim, dim, k_head, row_stride,
+                   runs, first_run, last_run, scale, scores.data() + g0 * tokens, tokens);
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
         float* sc = scores.data() + g * tokens;
         const float top = *std::max_element(sc, sc + tokens);
@@ -676,18 +757,9 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
         for (; i < tokens; ++i) sum += (sc[i] = std::exp(sc[i] - top));
         total[g] = sum;
       }
-      t = 0;
-      for (int64_t r = offsets[s]; r < offsets[s + 1]; ++r)
-        for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
-          const T* v = values + (row * kv_heads + kh) * dim;
-          for (int64_t i = 0; i < dim; i += Vec::kLanes) {
-            const Vec::R vv = Vec::load(v + i);
-            for (int64_t g = 0; g < group; ++g) {
-              float* a = acc.data() + g * dim + i;
-              Vec::store(a, Vec::fmadd(Vec::set1(scores[g * tokens + t]), vv, Vec::load(a)));
-            }
-          }
-        }
+      for (int64_t g0 = 0; g0 < group; g0 += 4)
+        values_for(static_cast<int>(std::min<int64_t>(4, group - g0)), scores.data() + g0 * tokens, tokens, v_head,
+                   row_stride, runs, first_run, last_run, acc.data() + g0 * dim, dim);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kh * group + g;
         T* o = out + (s * heads + h) * dim;
