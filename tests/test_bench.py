@@ -501,3 +501,14 @@ def test_step_timeline_reads_a_replicas_metrics_interval_by_interval():
     assert row["mean_rows"] == 8.0 and row["step_ms"] == 100.0 and row["running"] == 8
     assert row["waiting_prompts"] == 3 and row["prompt_tokens"] == 0
     assert "riding_tokens" in step_timeline.table([row])
+
+
+def test_the_engine_step_bench_times_steps_of_the_whole_batch(tiny_model_dir):
+    """``bench.decode_engine`` times steps of ``--batch`` rows: every prompt is prefilled before the
+    first is submitted (submitted one by one between prefills, the early ones decoded and finished
+    alone, and the timed steps were a row or two)."""
+    from bench.decode_engine import time_engine_steps
+
+    steps, wall, rows = time_engine_steps(tiny_model_dir, "float32", batch=4, tokens=6, prompt_tokens=40)
+    assert steps >= 5 and wall > 0  # the first token comes from the prefill: 5 more steps at least
+    assert rows / steps > 3.5  # (a step or two may run before the last request has joined)
