@@ -466,6 +466,16 @@ def paged_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     return out if gate is not None else out.unsqueeze(2)
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Float32 logits ``[B, V]`` -> (each row's first maximum's index ``[B]`` int64, whether the
+    row is all finite ``[B]`` bool) in one pass, where ``argmax`` and a finite check read them
+    apart; None when the decode kernels are not built (the caller uses torch). A row that is not
+    finite has no meaningful index."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not fused.decode_ops():
+        return None
+    return torch.ops.epd_decode.greedy_rows(logits if logits.stride(1) == 1 else logits.contiguous())
+
+
 def attention_decode_inputs(query_gate: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm, k_norm,
                             cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             write: torch.Tensor) -> torch.Tensor:

@@ -326,3 +326,30 @@ def test_a_failed_build_logs_one_warning_and_onednn_stays(tiny_model_dir, fresh_
     assert len(warnings) == 1 and "compiles nothing" in warnings[0].getMessage()
     assert isinstance(runner.lm_head, kernels.PackedLinear)
     _decode_logits(runner, 1)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 37, 248320])
+def test_greedy_rows_is_the_first_maximum_and_the_finite_check(vocab, ops):
+    """One pass over a step's logits: torch.argmax's index (the first of equal maxima) for every
+    finite row, and a row with a NaN or an infinity anywhere (in the vectorized part or the tail)
+    reported not finite."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen) * 5
+    logits[1] = logits[1].round()  # many ties: the first of them is the answer
+    logits[2] = -float("inf")  # all -inf: index 0, as torch.argmax, and not finite
+    logits[3, vocab // 2] = float("nan")
+    logits[4, -1] = float("inf")  # in the tail when vocab is not a multiple of the vector
+    logits[5, 0] = -float("inf")
+    if vocab > 1:
+        logits[6, vocab - 1] = logits[6].max() + 1  # the maximum in the last column
+        logits[7, 1:] = logits[7, 0]  # a row of one value: index 0
+    index, finite = kernels.greedy_rows(logits)
+    want_finite = torch.isfinite(logits).all(dim=-1)
+    assert finite.tolist() == want_finite.tolist()
+    want = logits.argmax(dim=-1)
+    assert index[want_finite].tolist() == want[want_finite].tolist()
+    assert index[2].item() == 0
+    # a view with strided rows (the step's logits may be a slice of a wider buffer)
+    wide = torch.randn(3, vocab + 5, generator=gen)
+    index, finite = kernels.greedy_rows(wide[:, :vocab])
+    assert index.tolist() == wide[:, :vocab].argmax(dim=-1).tolist() and finite.all()
