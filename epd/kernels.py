@@ -398,10 +398,19 @@ class DecodeLinear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(torch.ops.epd_decode.linear, x)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()`` in one pass: the same values (rounded to the layer's dtype as its
+        product rounds), written as float32 by the kernel rather than copied after it (the LM
+        head's logits: ~2 ms of a 16-row step on 2 cores for the copy)."""
+        return self._product(torch.ops.epd_decode.linear_float, x)
+
+    def _product(self, op, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # a view for decode's [B, 1, K] inputs
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.ops.epd_decode.linear(rows, self.weight, self.out_features, self.bias)
+        out = op(rows, self.weight, self.out_features, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -282,7 +282,9 @@ class TextModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden]`` -> float32 ``[..., vocab]`` logits."""
+        """``[..., hidden]`` -> float32 ``[..., vocab]`` logits (the head's dtype's values)."""
+        if isinstance(self.lm_head, kernels.DecodeLinear):
+            return self.lm_head.forward_float(hidden)
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()

@@ -353,3 +353,19 @@ def test_greedy_rows_is_the_first_maximum_and_the_finite_check(vocab, ops):
     wide = torch.randn(3, vocab + 5, generator=gen)
     index, finite = kernels.greedy_rows(wide[:, :vocab])
     assert index.tolist() == wide[:, :vocab].argmax(dim=-1).tolist() and finite.all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_decode_linear_float_output_is_the_product_then_float(dtype, rows, ops):
+    """The LM head's one-pass float32 output: exactly ``layer(x).float()`` (the product rounded to
+    the layer's dtype, then widened), for row counts across the kernel's blocks, a width that is
+    not a multiple of its 16-column panels, and a bias."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(101, 64, generator=gen).to(dtype)
+    bias = torch.randn(101, generator=gen).to(dtype)
+    x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
+    for layer in (kernels.DecodeLinear(weight), kernels.DecodeLinear(weight, bias)):
+        got = layer.forward_float(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 1, 101)
+        assert torch.equal(got, layer(x).float())

@@ -81,6 +81,7 @@ constexpr int64_t kPrefetchBytes = 3072;
 
 struct BF16 {
   using T = c10::BFloat16;
+  using O = c10::BFloat16;  // the output's element
   static constexpr int64_t kStep = 2;  // k values per vector lane (a pair)
   static inline __m512 madd(__m512 acc, __m512i w, const T* x) {
     int32_t pair;
@@ -95,6 +96,7 @@ struct BF16 {
 
 struct F32 {
   using T = float;
+  using O = float;
   static constexpr int64_t kStep = 1;
   static inline __m512 madd(__m512 acc, __m512i w, const T* x) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_set1_ps(*x), acc);
@@ -102,11 +104,21 @@ struct F32 {
   static inline void store(T* out, __m512 acc, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, acc); }
 };
 
+// bfloat16 inputs, float32 outputs holding the bfloat16-rounded values: what the bfloat16 product
+// followed by .float() gives, in one pass (the LM head's logits, which sampling reads in float32)
+struct BF16ToF32 : BF16 {
+  using O = float;
+  static inline void store(float* out, __m512 acc, __mmask16 mask) {
+    const __m256i bits = (__m256i)_mm512_cvtneps_pbh(acc);
+    _mm512_mask_storeu_ps(out, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+};
+
 // R rows x P panels of output, starting at panel `panel`: acc[r][p] += sum_k x[r][k] W[col][k].
 // `w` points at the first panel; a panel is `panel_stride` elements (K_padded * 16).
 template <typename E, int R, int P>
 inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, int64_t panel_stride,
-                  int64_t steps, const float* bias, typename E::T* out, int64_t ldo, int64_t col0, int64_t n) {
+                  int64_t steps, const float* bias, typename E::O* out, int64_t ldo, int64_t col0, int64_t n) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -136,7 +148,7 @@ inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, i
 // Rows are taken 8 at a time (kMaxRows); a call of up to 4 rows walks 4 panels at once, more rows 2.
 template <typename E>
 using BlockFn = void (*)(const typename E::T*, int64_t, const typename E::T*, int64_t, int64_t, const float*,
-                         typename E::T*, int64_t, int64_t, int64_t);
+                         typename E::O*, int64_t, int64_t, int64_t);
 
 template <typename E, int P, int... Rs>
 constexpr auto row_table(std::integer_sequence<int, Rs...>) {
@@ -153,7 +165,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   const int64_t panel_stride = steps * 16 * E::kStep;
   const T* xp = x.data_ptr<T>();
   const T* wp = packed.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  typename E::O* op = out.data_ptr<typename E::O>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   const int P = m <= 4 ? 4 : 2;
   const BlockFn<E>* wide = P == 4 ? by4.data() : by2.data();
@@ -436,6 +448,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   }
 #endif
   return out;
+}
+
+// x [M, K] (bfloat16 or float32) -> float32 [M, n]: linear()'s values (in bfloat16, rounded to it
+// as the bfloat16 product rounds) as float32, written in one pass where the product and a
+// .float() copy would write and read the output twice (the LM head: 16 x 248,320 logits a step)
+at::Tensor linear_float(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+#ifdef EPD_DECODE_AVX512
+  if (x.scalar_type() == at::kBFloat16) {
+    const float* b = check_linear(x, packed, n, bias);
+    at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+    if (x.size(0) > 0) linear_impl<BF16ToF32>(x, packed, b, n, out);
+    return out;
+  }
+#endif
+  return linear(x, packed, n, bias).to(at::kFloat);
 }
 
 // ---- the decoder layers' RMSNorm with the residual add before it (Qwen3.5's: float32 math,
@@ -926,6 +953,7 @@ TORCH_LIBRARY(epd_decode, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("linear_float(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, Tensor? gate) -> Tensor");
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
@@ -937,6 +965,7 @@ TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
   m.impl("linear_wide", &linear_wide);
+  m.impl("linear_float", &linear_float);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("attend", &attend);
   m.impl("attention_inputs", &attention_inputs);
