@@ -283,9 +283,8 @@ class TextModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> float32 ``[..., vocab]`` logits (the head's dtype's values)."""
-        if isinstance(self.lm_head, kernels.DecodeLinear):
-            return self.lm_head.forward_float(hidden)
-        return self.lm_head(hidden).float()
+        one_pass = getattr(self.lm_head, "forward_float", None)  # kernels.DecodeLinear's: no copy after
+        return one_pass(hidden) if one_pass is not None else self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def decode_step(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
