@@ -125,9 +125,10 @@ class RouterCore:
         except (asyncio.CancelledError, GeneratorExit):  # the client left (GeneratorExit: while a chunk was written)
             self._cancelled[run.stage] += 1
             if run.unclaimed_decode:  # handed off, never streamed: free its decode slot now
-                task = asyncio.ensure_future(self._release_decode(run.attempt_id, run.unclaimed_decode))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+                # (its own name: ``task`` is this request's, which ``finally`` takes out of active)
+                release = asyncio.ensure_future(self._release_decode(run.attempt_id, run.unclaimed_decode))
+                self._releases.add(release)
+                release.add_done_callback(self._releases.discard)
             raise
         finally:
             run.to(RouteStatus.FINISHED)

@@ -176,3 +176,83 @@ def test_a_stop_string_ends_token_ids_and_logprobs_at_the_token_that_completed_i
     assert summary.completion_tokens == complete and summary.finish_reason == "stop"
     assert "".join(c.text for c in chunks) == "one two three "
     assert decode.cancelled
+
+
+class SilentDecode:
+    """A decode worker that accepts the stream of a handed-off request and sends nothing (the
+    first token is still being computed), and answers a drop (``discovery.drop_handoff``'s read)."""
+
+    balancer = Balancer()
+    metadata = ()
+
+    def __init__(self) -> None:
+        self.streams: list[str] = []  # the request ids of every Stream call, in order
+        self.reads = 0
+        self.stubs = self
+
+    def get(self, address):
+        return self
+
+    def Stream(self, request, timeout, metadata):  # noqa: N802 - the stub's method name
+        decode = self
+        decode.streams.append(request.request_id)
+
+        class Call:
+            def __aiter__(self):
+                return self.batches()
+
+            async def batches(self):
+                await asyncio.Event().wait()  # nothing comes until the caller leaves
+                yield epd_pb2.TokenBatch()
+
+            async def read(self):
+                decode.reads += 1
+                return epd_pb2.TokenBatch(finish_reason="abort")
+
+            def cancel(self):
+                pass
+
+        return Call()
+
+
+def test_a_client_that_leaves_before_its_first_streamed_token_is_no_longer_carried(tiny_model_dir, redis_url):
+    """A client leaves after its prompt was handed to decode and before decode streamed anything:
+    the router drops the handoff (its slot is freed now) and no longer counts the request as one
+    it carries (the running gauge once stayed at 1 for each such departure)."""
+    info = ModelInfo.load(tiny_model_dir)
+    builder = PromptBuilder.load(tiny_model_dir, info, 64 * 1024 * 1024)
+    request = client.user_request("Count.", [], max_tokens=16)
+    decode = SilentDecode()
+    store = EmbeddingStore(redis_url)
+
+    def running(core) -> float:
+        families = {family.name: family for family in core.metrics()}
+        return sum(families["epd_router_running_requests"].samples.values())
+
+    async def scenario():
+        core = RouterCore(RouterConfig(), builder, store, ShortEncoder(builder.settings), OnePrefill([7]), decode)
+
+        async def consume():
+            async for _ in core.generate(request, 30):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        for _ in range(500):  # until the relay has opened the decode stream
+            if decode.streams:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.streams and running(core) == 1
+        task.cancel()  # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the drop runs beside the departure
+            if decode.reads:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.reads == 1 and len(decode.streams) == 2  # the relay's stream, then the drop's
+        assert core.active == set() and running(core) == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
