@@ -10,7 +10,9 @@
 // accumulators in registers (R x P <= 16): per k pair, P weight vectors are loaded and each row's
 // x pair is broadcast into R x P dot-product instructions. The threads claim tasks of a few
 // panels from a shared counter (robust to a thread losing its core); rows beyond 8 are taken 8
-// at a time over the same panels (from L1/L2).
+// at a time over the same panels (from L1/L2), and while those later passes compute, they
+// prefetch the next panels into L2 (a 16-row step's linear layers of the 0.8b: 46.2 -> 43.0 ms
+// on two cores, docs/BENCHMARKS.md).
 //
 // Rounding: float32 sums of exact bf16 x bf16 products (vdpbf16ps), rounded to bfloat16 once at
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
@@ -115,10 +117,13 @@ struct BF16ToF32 : BF16 {
 };
 
 // R rows x P panels of output, starting at panel `panel`: acc[r][p] += sum_k x[r][k] W[col][k].
-// `w` points at the first panel; a panel is `panel_stride` elements (K_padded * 16).
+// `w` points at the first panel; a panel is `panel_stride` elements (K_padded * 16). Each weight
+// vector's line `ahead` bytes on is prefetched into L2 (a hint: past the weight's end it is
+// dropped, never a fault).
 template <typename E, int R, int P>
 inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, int64_t panel_stride,
-                  int64_t steps, const float* bias, typename E::O* out, int64_t ldo, int64_t col0, int64_t n) {
+                  int64_t steps, const float* bias, typename E::O* out, int64_t ldo, int64_t col0, int64_t n,
+                  int64_t ahead) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -127,7 +132,7 @@ inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, i
     __m512i wv[P];
     for (int p = 0; p < P; ++p) {
       const typename E::T* src = w + p * panel_stride + s * kVec;
-      _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(src) + ahead, _MM_HINT_T1);
       wv[p] = _mm512_loadu_si512(src);
     }
     for (int r = 0; r < R; ++r) {
@@ -148,7 +153,7 @@ inline void block(const typename E::T* x, int64_t ldx, const typename E::T* w, i
 // Rows are taken 8 at a time (kMaxRows); a call of up to 4 rows walks 4 panels at once, more rows 2.
 template <typename E>
 using BlockFn = void (*)(const typename E::T*, int64_t, const typename E::T*, int64_t, int64_t, const float*,
-                         typename E::O*, int64_t, int64_t, int64_t);
+                         typename E::O*, int64_t, int64_t, int64_t, int64_t);
 
 template <typename E, int P, int... Rs>
 constexpr auto row_table(std::integer_sequence<int, Rs...>) {
@@ -178,21 +183,37 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   // product wait at its end for the slowest thread's share).
   const int64_t tasks = (panels + grain - 1) / grain;
   std::atomic<int64_t> next{0};
+  const bool passes = m > kMaxRows;  // more than one block of rows over each panel group
   auto run = [&]() {
-    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
-         task = next.fetch_add(1, std::memory_order_relaxed)) {
+    int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+    while (task < tasks) {
       const int64_t begin = task * grain, end = std::min(panels, begin + grain);
-      // P panels at a time, every block of rows over them while they are in L1/L2: the weight is
-      // read from memory once whatever the number of rows
-      int64_t p = begin;
-      for (; p + P <= end; p += P)
+      int64_t following = tasks;  // the task after this one, claimed at its last group
+      // P panels at a time (single panels at a task's odd end), every block of rows over them
+      // while they are in L1/L2: the weight is read from memory once whatever the number of rows.
+      // The first block's pass streams the group in (prefetching kPrefetchBytes ahead); the
+      // later blocks' passes run from L2 and prefetch the next group meanwhile (the next of this
+      // task, or the first of the task claimed for after it), so memory keeps streaming while
+      // they compute
+      for (int64_t p = begin; p < end;) {
+        const int64_t width = p + P <= end ? P : 1;
+        int64_t ahead = kPrefetchBytes;
+        if (passes) {
+          int64_t upcoming = p + width;
+          if (upcoming >= end) {
+            following = next.fetch_add(1, std::memory_order_relaxed);
+            upcoming = following < tasks ? following * grain : -1;
+          }
+          if (upcoming >= 0) ahead = (upcoming - p) * panel_bytes;
+        }
+        const BlockFn<E>* table = width == P ? wide : by1.data();
         for (int64_t r0 = 0; r0 < m; r0 += kMaxRows)
-          wide[std::min<int64_t>(kMaxRows, m - r0) - 1](xp + r0 * ldx, ldx, wp + p * panel_stride, panel_stride,
-                                                       steps, bias, op + r0 * ldo, ldo, p * kPanel, n);
-      for (; p < end; ++p)
-        for (int64_t r0 = 0; r0 < m; r0 += kMaxRows)
-          by1[std::min<int64_t>(kMaxRows, m - r0) - 1](xp + r0 * ldx, ldx, wp + p * panel_stride, panel_stride,
-                                                      steps, bias, op + r0 * ldo, ldo, p * kPanel, n);
+          table[std::min<int64_t>(kMaxRows, m - r0) - 1](xp + r0 * ldx, ldx, wp + p * panel_stride, panel_stride,
+                                                        steps, bias, op + r0 * ldo, ldo, p * kPanel, n,
+                                                        r0 == 0 ? kPrefetchBytes : ahead);
+        p += width;
+      }
+      task = passes ? following : next.fetch_add(1, std::memory_order_relaxed);
     }
   };
   const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
