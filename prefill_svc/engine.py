@@ -451,10 +451,9 @@ class PrefillEngine:
         self.busy_s += time.perf_counter() - start
         done = []
         with self._wake:
-            now = time.monotonic()
             for job, end in batch:
                 if not job.cancelled:  # a cancelled one already left the queue
-                    self._scheduler.advance(job.progress, end, now)
+                    self._scheduler.advance(job.progress, end)
                     if job.progress.done:
                         done.append(job)
         for job in done:

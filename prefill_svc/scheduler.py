@@ -4,8 +4,9 @@ bookkeeping only.
 Every forward takes up to ``batch_tokens`` prompt tokens, as chunks of at most ``chunk_tokens``
 from one or several prompts (so short prompts share a forward, like vLLM's token budget). Prompts
 are taken shortest remaining first (a short prompt that arrives while a long one runs waits for at
-most one forward), arrival order breaking ties; but a prompt that has not run for ``max_wait_s``
-goes first, oldest first (aging: a steady stream of short prompts never starves a long one). A
+most one forward), arrival order breaking ties; but a prompt that arrived ``max_wait_s`` or more
+ago goes first, oldest first (aging: a steady stream of short prompts never starves a long one,
+and a burst of long prompts finishes in arrival order rather than taking turns). A
 chunk also ends at each of the prompt's snapshot points, where the engine copies the state into
 the prefix cache. The engine owns the tensors; this only counts tokens.
 """
@@ -25,7 +26,7 @@ class PromptProgress:
     cursor: int = 0  # first token not yet computed (a prefix-cache hit starts past 0)
     stops: Sequence[int] = ()  # token counts after which a chunk must end (snapshot points)
     arrival: int = field(default=0)
-    last_ran: float = 0.0  # when a chunk of it last ran (or it arrived)
+    arrived: float = 0.0  # when it joined the queue
 
     @property
     def remaining(self) -> int:
@@ -50,7 +51,7 @@ class PrefillScheduler:
         if progress.done:
             raise ValueError("a prompt with nothing left to compute cannot be scheduled")
         progress.arrival = next(self._arrivals)
-        progress.last_ran = now
+        progress.arrived = now
         self._waiting.append(progress)
 
     def remove(self, progress: PromptProgress) -> None:
@@ -68,8 +69,12 @@ class PrefillScheduler:
         """The chunks of the next forward: (prompt, end of its chunk, exclusive), in run order.
         ``budget``: prompt tokens this forward has room for, when less than ``batch_tokens`` (an
         aggregated step's decode rows take their share of it); none at 0."""
-        starving = sorted((p for p in self._waiting if now - p.last_ran >= self.max_wait_s), key=lambda p: p.arrival)
-        rest = sorted((p for p in self._waiting if now - p.last_ran < self.max_wait_s),
+        # Aged by arrival, not by when a chunk last ran: with forwards longer than max_wait_s,
+        # waiting since the last chunk put every prompt that had not just run ahead of those that
+        # had, so a burst of long prompts took turns chunk by chunk and all their first tokens
+        # came at the end of the burst.
+        starving = sorted((p for p in self._waiting if now - p.arrived >= self.max_wait_s), key=lambda p: p.arrival)
+        rest = sorted((p for p in self._waiting if now - p.arrived < self.max_wait_s),
                       key=lambda p: (p.remaining, p.arrival))
         batch, budget = [], self.batch_tokens if budget is None else min(budget, self.batch_tokens)
         for progress in starving + rest:
@@ -93,11 +98,10 @@ class PrefillScheduler:
                 return stop
         return end
 
-    def advance(self, progress: PromptProgress, end: int, now: float = 0.0) -> None:
+    def advance(self, progress: PromptProgress, end: int) -> None:
         """Record that the chunk up to ``end`` ran; a finished prompt leaves the queue."""
         if not progress.cursor < end <= progress.prompt_len:
             raise ValueError(f"chunk end {end} outside ({progress.cursor}, {progress.prompt_len}]")
         progress.cursor = end
-        progress.last_ran = now
         if progress.done:
             self.remove(progress)

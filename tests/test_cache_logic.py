@@ -86,7 +86,7 @@ def test_several_prompts_share_a_forward_up_to_the_token_budget():
     # Shortest first: all of a (30), all of b (50), then c's chunk cut to the 20 tokens left.
     assert scheduler.next_batch(now=0.0) == [(a, 30), (b, 50), (c, 20)]
     for progress, end in scheduler.next_batch(now=0.0):
-        scheduler.advance(progress, end, now=0.1)
+        scheduler.advance(progress, end)
     assert a.done and b.done and scheduler.next_batch(now=0.2) == [(c, 84)]  # one prompt: a chunk of 64
 
 
@@ -104,12 +104,44 @@ def test_a_prompt_waiting_too_long_goes_first(max_wait_s):
         for progress, end in scheduler.next_batch(now=now):
             if progress is long:
                 long_ran_at.append(now)
-            scheduler.advance(progress, end, now=now)
+            scheduler.advance(progress, end)
     if max_wait_s == float("inf"):
         assert long_ran_at == []  # starved
     else:
-        assert long_ran_at and long_ran_at[0] == 2.0  # the first forward after it had waited 2 s
-        assert all(b - a <= 2.5 for a, b in zip(long_ran_at, long_ran_at[1:]))  # and again every ~2 s
+        # the first forward after it had waited 2 s, and every forward from then on (the oldest);
+        # a short prompt then waits until it has aged too (tested below with room for both)
+        assert long_ran_at == [0.5 * n for n in range(4, 20)]
+
+
+def test_an_aged_prompt_shares_each_forward_with_the_newer_short_ones():
+    scheduler = PrefillScheduler(chunk_tokens=30, batch_tokens=60, max_wait_s=2.0)
+    long = PromptProgress(prompt_len=10_000)
+    scheduler.add(long, now=0.0)
+    for n in range(20):
+        now = 0.5 * n
+        short = PromptProgress(prompt_len=30)
+        scheduler.add(short, now=now)
+        ran = scheduler.next_batch(now=now)
+        assert (short, 30) in ran and (n < 4 or ran[0][0] is long)
+        for progress, end in ran:
+            scheduler.advance(progress, end)
+
+
+def test_a_burst_of_long_prompts_finishes_in_arrival_order_when_forwards_outlast_the_aging():
+    """Four 1,000-token prompts at once, forwards of two 512-token chunks 3 s apart (longer than
+    max_wait_s, as an aggregated step of 2,048 tokens on two cores is): the first two finish in the
+    second forward, not the third (aged by when each last ran, the two that had not run went first)."""
+    scheduler = PrefillScheduler(chunk_tokens=512, batch_tokens=1024, max_wait_s=2.0)
+    prompts = [PromptProgress(prompt_len=1000) for _ in range(4)]
+    for progress in prompts:
+        scheduler.add(progress, now=0.0)
+    finished_in = {}
+    for forward in range(1, 5):
+        for progress, end in scheduler.next_batch(now=3.0 * (forward - 1)):
+            scheduler.advance(progress, end)
+            if progress.done:
+                finished_in[prompts.index(progress)] = forward
+    assert finished_in == {0: 2, 1: 2, 2: 4, 3: 4}
 
 
 def test_single_flight_runs_one_call_per_key_and_shares_the_outcome():
