@@ -10,9 +10,9 @@
 // accumulators in registers (R x P <= 16): per k pair, P weight vectors are loaded and each row's
 // x pair is broadcast into R x P dot-product instructions. The threads claim tasks of a few
 // panels from a shared counter (robust to a thread losing its core); rows beyond 8 are taken 8
-// at a time over the same panels (from L1/L2), and while those later passes compute, they
-// prefetch the next panels into L2 (a 16-row step's linear layers of the 0.8b: 46.2 -> 43.0 ms
-// on two cores, docs/BENCHMARKS.md).
+// at a time over the same panels (from L1/L2), and for up to 32 rows those later passes
+// prefetch the next panels into L2 while they compute (a 16-row step's linear layers of the
+// 0.8b: 46.2 -> 43.0 ms on two cores, docs/BENCHMARKS.md).
 //
 // Rounding: float32 sums of exact bf16 x bf16 products (vdpbf16ps), rounded to bfloat16 once at
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
@@ -183,7 +183,11 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   // product wait at its end for the slowest thread's share).
   const int64_t tasks = (panels + grain - 1) / grain;
   std::atomic<int64_t> next{0};
-  const bool passes = m > kMaxRows;  // more than one block of rows over each panel group
+  // Two to four blocks of rows over each panel group (a decode step's 9-32 rows): the later
+  // passes prefetch the next group. Not for more rows (prefill chunks): there the rows' own
+  // stream through L2 (4 MiB for 2,048 rows of 1,024) evicts the prefetched group before its
+  // turn, and a 2,048-row forward measured ~7% slower with it
+  const bool passes = m > kMaxRows && m <= 4 * kMaxRows;
   auto run = [&]() {
     int64_t task = next.fetch_add(1, std::memory_order_relaxed);
     while (task < tasks) {
