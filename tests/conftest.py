@@ -168,8 +168,10 @@ def epd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def epd_status(address: str) -> dict:
-    """`epd status --json` of the deployment on the Ray at ``address``."""
-    out = epd("status", "--address", address, "--json")
+    """`epd status --json` of the deployment on the Ray at ``address``. Each call joins Ray as a
+    new driver; on two cores saturated by a test's load that took over the CLI's 10 s default
+    (tests/test_cluster_scaling.py's burst, 2026-12-05), so the tests give it a minute."""
+    out = epd("status", "--address", address, "--json", "--connect-timeout", "60")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

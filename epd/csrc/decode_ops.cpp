@@ -12,7 +12,7 @@
 // panels from a shared counter (robust to a thread losing its core); rows beyond 8 are taken 8
 // at a time over the same panels (from L1/L2), and for up to 32 rows those later passes
 // prefetch the next panels into L2 while they compute (a 16-row step's linear layers of the
-// 0.8b: 46.2 -> 43.0 ms on two cores, docs/BENCHMARKS.md).
+// 0.8b: ~46 -> 43-45 ms on two cores, docs/BENCHMARKS.md).
 //
 // Rounding: float32 sums of exact bf16 x bf16 products (vdpbf16ps), rounded to bfloat16 once at
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
@@ -186,7 +186,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   // Two to four blocks of rows over each panel group (a decode step's 9-32 rows): the later
   // passes prefetch the next group. Not for more rows (prefill chunks): there the rows' own
   // stream through L2 (4 MiB for 2,048 rows of 1,024) evicts the prefetched group before its
-  // turn, and a 2,048-row forward measured ~7% slower with it
+  // turn, and a 2,048-row forward measured no faster with it (6.4-7.5 s against 6.3-6.9)
   const bool passes = m > kMaxRows && m <= 4 * kMaxRows;
   auto run = [&]() {
     int64_t task = next.fetch_add(1, std::memory_order_relaxed);
