@@ -186,7 +186,8 @@ class PrefillConfig(LMConfig):
     burst's prompts in one forward, as vLLM's max_num_batched_tokens (W1 beside vLLM: 0.81x at
     1024, 0.90x at 2048, docs/BENCHMARKS.md)."""
     max_wait_s: float = 2.0
-    """A prompt that has not run for this many seconds goes first (aging: shortest-first never starves it)."""
+    """A prompt that arrived this many seconds ago or more goes first, oldest first (aging:
+    shortest-first never starves it)."""
     embedding_cache_mb: int = 256
     """The prefill worker's in-process LRU of vision embeddings in front of Redis, in MiB; 0 turns it off."""
     prefix_cache_mb: int = 512
