@@ -22,6 +22,7 @@ from epd.modelinfo import ModelInfo
 from epd.sampling import SamplingConfig
 
 PROMPT_TOKENS = 48
+STALL_S = 600.0  # no token for this long: the engine is stuck (queue.Empty ends the run)
 
 
 def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int,
@@ -42,23 +43,18 @@ def time_engine_steps(model_dir: str, dtype: str, batch: int, tokens: int,
             state = runner.new_state()
             first = int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax())
             prefilled.append((rope_delta, first, state))
-        streams = []
+        # one queue for every request's events, read with a blocking get: this thread sleeps until
+        # a token comes (polling each request's queue every 2 ms cost the step ~2-4 ms at 8 rows,
+        # docs/BENCHMARKS.md "Issue 18, 2026-12-05")
+        events: queue.Queue = queue.Queue()
         for i, (rope_delta, first, state) in enumerate(prefilled):
-            events: queue.Queue = queue.Queue()
             engine.submit(f"r{i}", prompt_tokens, rope_delta, first,
                           SamplingConfig(max_tokens=tokens, ignore_eos=True), state, 0)
             engine.claim(f"r{i}", events.put)
-            streams.append(events)
         start, steps_before, rows_before, finished = time.perf_counter(), engine.steps, engine.batch_sizes_total, 0
         while finished < batch:
-            for events in streams:
-                try:
-                    while True:
-                        if events.get_nowait().finish_reason is not None:
-                            finished += 1
-                except queue.Empty:
-                    pass
-            time.sleep(0.002)
+            if events.get(timeout=STALL_S).finish_reason is not None:
+                finished += 1
         return engine.steps - steps_before, time.perf_counter() - start, engine.batch_sizes_total - rows_before
     finally:
         engine.stop()
