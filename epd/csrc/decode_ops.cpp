@@ -12,7 +12,7 @@
 // panels from a shared counter (robust to a thread losing its core); rows beyond 8 are taken 8
 // at a time over the same panels (from L1/L2), and for up to 32 rows those later passes
 // prefetch the next panels into L2 while they compute (a 16-row step's linear layers of the
-// 0.8b: ~46 -> 43-45 ms on two cores, docs/BENCHMARKS.md).
+// 0.8b: 44.3 -> 41.2 ms on two cores, python -m bench.decode_linears --rows 16; docs/BENCHMARKS.md).
 //
 // Rounding: float32 sums of exact bf16 x bf16 products (vdpbf16ps), rounded to bfloat16 once at
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
