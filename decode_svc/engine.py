@@ -316,7 +316,7 @@ class DecodeEngine:
                 logits = self.runner.decode_step(self._batch, tokens, positions_)
             else:
                 out = self.runner.mixed_step(planned.chunks, self._batch if members else None, tokens, positions_,
-                                             planned.sample_chunks, planned.every_row)
+                                             planned.sample_chunks, planned.every_row, planned.splits)
                 logits = out.decode_logits
         if planned is not None:
             self._source.chunks_ran(planned, out, None)

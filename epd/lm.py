@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -312,7 +312,8 @@ class TextModelRunner:
     @torch.inference_mode()
     def mixed_step(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
                    token_ids: list[int], positions: list[int], sample_chunks: frozenset[int] = frozenset(),
-                   every_row: frozenset[int] = frozenset()) -> StepOutput:
+                   every_row: frozenset[int] = frozenset(),
+                   splits: dict[int, Sequence[int]] | None = None) -> StepOutput:
         """Prefill chunks and a decode step in one forward: one pass over the weights for both.
 
         ``chunks`` as ``forward_many`` (each on top of its own state, updated in place); ``batch``
@@ -322,7 +323,14 @@ class TextModelRunner:
         by the decode rows; only the mixing cores run apart: the chunked Gated DeltaNet and prefill
         attention per chunk, the fused (or recurrent) GDN step and paged decode attention for the
         batch. The LM head runs once, over the decode rows and the last rows of the chunks named
-        in ``sample_chunks`` (those whose prompt ends there), nothing else."""
+        in ``sample_chunks`` (those whose prompt ends there), nothing else.
+
+        ``splits``: chunk -> token offsets inside it (0 < offset < its length) where its state is
+        wanted as well (prefix-cache snapshots, ``StepOutput.snapshots``). The mixing cores run
+        such a chunk as consecutive pieces cut there, each on top of the one before (what two
+        chunks in two forwards would compute); the token-wise ops still run once over every row.
+        A piece's K/V, conv window and recurrent state are fresh tensors the next piece does not
+        change, so a snapshot holds them without a copy."""
         size = 0 if batch is None else len(batch)
         if len(token_ids) != size or len(positions) != size:
             raise ValueError(f"decode_step needs one token and position per slot ({size}), "
@@ -332,7 +340,9 @@ class TextModelRunner:
         if size:
             batch.reserve(1)
         lengths = [embeds.shape[0] for embeds, _, _ in chunks]
-        hidden = self._layers(chunks, batch if size else None, token_ids, positions)  # [1, ΣT + B, hidden]
+        snapshots: dict[int, list[HybridState]] = {}
+        hidden = self._layers(chunks, batch if size else None, token_ids, positions,  # [1, ΣT + B, hidden]
+                              splits or {}, snapshots)
         for (_, _, state), length in zip(chunks, lengths):
             state.num_tokens += length
         if size:
@@ -350,15 +360,32 @@ class TextModelRunner:
                   else torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
         return StepOutput(last_hidden=last, rows=rows,
                           chunk_logits={i: logits[k] for k, i in enumerate(sampled)},
-                          decode_logits=logits[len(sampled):])
+                          decode_logits=logits[len(sampled):], snapshots=snapshots)
 
     def _layers(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
-                token_ids: list[int], positions: list[int]) -> torch.Tensor:
+                token_ids: list[int], positions: list[int], splits: dict[int, Sequence[int]] | None = None,
+                snapshots: dict[int, list[HybridState]] | None = None) -> torch.Tensor:
         """The layers over the chunks' tokens then the batch's decode rows: the last layer's output
-        ``[1, ΣT + B, hidden]``, before the norm (states and batch not yet advanced)."""
+        ``[1, ΣT + B, hidden]``, before the norm (states and batch not yet advanced). A chunk with
+        ``splits`` runs its mixing cores piece by piece; the state after each piece but the last
+        goes to ``snapshots[chunk]`` (``mixed_step``)."""
         device = self.device
-        lengths = [embeds.shape[0] for embeds, _, _ in chunks]
-        states = [state for _, _, state in chunks]
+        snapshots = {} if snapshots is None else snapshots
+        lengths, states, marks = [], [], []  # per piece of a chunk (a chunk without splits is one piece)
+        for number, (embeds, _, state) in enumerate(chunks):
+            length = embeds.shape[0]
+            cuts = sorted(set((splits or {}).get(number, ())))
+            if cuts and not 0 < cuts[0] <= cuts[-1] < length:
+                raise ValueError(f"chunk {number} of {length} tokens cannot be split at {cuts}")
+            for start, end in zip([0, *cuts], [*cuts, length]):
+                lengths.append(end - start)
+                states.append(state)
+                mark = None
+                if end < length:  # the state after this piece: filled layer by layer
+                    mark = HybridState.empty(self.num_layers)
+                    mark.num_tokens = state.num_tokens + end
+                    snapshots.setdefault(number, []).append(mark)
+                marks.append(mark)
         parts = [embeds.to(device, self.dtype) for embeds, _, _ in chunks]
         position_parts = [pos.to(device) for _, pos, _ in chunks]
         if batch is not None:
@@ -367,7 +394,7 @@ class TextModelRunner:
         hidden = (torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(0)  # [1, N, hidden]
         position_ids = torch.cat(position_parts, dim=1) if len(position_parts) > 1 else position_parts[0]
         cos, sin = self.model.rotary_emb(hidden, position_ids.unsqueeze(1))  # [1, N, rotary_dim]
-        mix = _Mix(lengths, states, batch, len(token_ids) if batch is not None else 0)
+        mix = _Mix(lengths, states, batch, len(token_ids) if batch is not None else 0, marks)
         for index, layer in enumerate(self.model.layers):
             core_share.rebalance()  # a step of seconds follows the encoder's comings and goings
             residual = hidden
@@ -418,6 +445,8 @@ class StepOutput:
     rows: dict[int, torch.Tensor]  # chunk -> [T_i, hidden] every row, final norm (the chunks in every_row)
     chunk_logits: dict[int, torch.Tensor]  # chunk -> float32 [vocab] of its last row (the chunks in sample_chunks)
     decode_logits: torch.Tensor  # float32 [batch, vocab], slot order
+    # chunk -> its state at each of its splits, in order (``mixed_step``'s splits)
+    snapshots: dict[int, list[HybridState]] = field(default_factory=dict)
 
 
 @dataclass
@@ -429,6 +458,11 @@ class _Mix:
     states: list[HybridState]
     batch: BatchBuffers | None
     num_decode: int  # the batch's active slots (0 without one)
+    marks: list[HybridState | None] = field(default_factory=list)  # per chunk: a snapshot to fill after it
+
+    def pieces(self):
+        """(length, state, snapshot to fill after it or None) of each chunk, in row order."""
+        return zip(self.lengths, self.states, self.marks or [None] * len(self.lengths))
 
 _RMS_NORMS = (qm.Qwen3_5RMSNorm,)
 
@@ -523,11 +557,13 @@ def _full_attention(attn: qm.Qwen3_5Attention, x: torch.Tensor, cos: torch.Tenso
     the batch's rows. The projections run once over all N rows."""
     queries, keys, values, gate = _attention_inputs(attn, x)
     outs, start = [], 0
-    for length, state in zip(mix.lengths, mix.states):
+    for length, state, mark in mix.pieces():
         part = slice(start, start + length)
         start += length
         outs.append(_prefill_attention(attn, queries[:, part], keys[:, part], values[:, part], cos[:, part],
                                        sin[:, part], state, index))
+        if mark is not None:
+            mark.keys[index], mark.values[index] = state.keys[index], state.values[index]
     if mix.num_decode:
         rows = slice(start, None)  # one row per slot -> [slots, 1, heads, dim]
         query, key = qm.apply_rotary_pos_emb(queries[0, rows].unsqueeze(2), keys[0, rows].unsqueeze(2),
@@ -589,10 +625,12 @@ def _linear_attention(gdn: qm.Qwen3_5GatedDeltaNet, x: torch.Tensor, mix: _Mix, 
     updated in place)."""
     mixed, z, a, b = (t[0] for t in _gdn_projections(gdn, x))  # [N, ...]
     cores, start = [], 0
-    for length, state in zip(mix.lengths, mix.states):
+    for length, state, mark in mix.pieces():
         part = slice(start, start + length)
         start += length
         cores.append(_gdn_prefill_core(gdn, mixed[part], z[part], a[part], b[part], state, index, x.device))
+        if mark is not None:
+            mark.conv[index], mark.recurrent[index] = state.conv[index], state.recurrent[index]
     if mix.num_decode:
         rows = slice(start, None)
         cores.append(_gdn_decode_core(gdn, mixed[rows], z[rows], a[rows], b[rows], mix.batch, index))

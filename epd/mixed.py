@@ -12,7 +12,7 @@ says what rides each step and takes the results. Neither role imports the other:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,6 +29,7 @@ class PlannedChunks:
     sample_chunks: frozenset[int]  # chunks whose prompt ends with them: their last row's logits are wanted
     every_row: frozenset[int]  # chunks whose every row's hidden state is wanted (prompt logprobs)
     ticket: object
+    splits: dict[int, list[int]] = field(default_factory=dict)  # chunk -> offsets whose state is wanted (snapshots)
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,8 @@ and queues it; one scheduler thread runs the forwards, a chunk of at most ``chun
 time, letting the prompt with the fewest tokens left go next (``PrefillScheduler``), so a short
 prompt is not stuck behind a long one. Chunk edges need no care around images: the whole
 prompt's embeddings are spliced before the first chunk runs. At each snapshot point the state
-is copied into the prefix cache. Positions are computed here from the request alone
+is copied into the prefix cache; a point inside a chunk does not end it (the runner hands out the
+state there, ``mixed_step``'s splits), except on a tensor-parallel replica. Positions are computed here from the request alone
 (``epd.positions``), never read from a shared model object.
 
 Prompt logprobs (vLLM's ``prompt_logprobs``, only for a request that asks): the prompt is computed
@@ -107,6 +108,10 @@ class PromptStates(Protocol):
     """Where the prompts' states live while they are computed. ``start`` may be called on any
     thread; ``whole`` only on the scheduler thread (it may run collectives); ``end`` on any."""
 
+    # whether a forward hands out a prompt's state inside a chunk (``mixed_step``'s splits), so
+    # chunks need not end at snapshot points
+    snapshots_inside_chunks: bool = False
+
     def start(self, cached: HybridState | None) -> HybridState:
         """The state a new prompt computes on: a cached prefix's (a private copy) or an empty one."""
 
@@ -120,6 +125,8 @@ class PromptStates(Protocol):
 
 class LocalStates:
     """Every prompt's state whole, in this process."""
+
+    snapshots_inside_chunks = True
 
     def __init__(self, runner: TextModelRunner) -> None:
         self.runner = runner
@@ -178,7 +185,10 @@ class PrefillEngine:
                                   self.config.snapshot_every_blocks)
         # riding another loop's steps, a forward's budget is the step's (decode rows included)
         self._budget = self.config.batch_tokens if own_loop else self.config.step_tokens
-        self._scheduler = PrefillScheduler(self.config.chunk_tokens, self._budget, self.config.max_wait_s)
+        # a chunk ends at a snapshot point only where the forward cannot hand out the state there
+        self._splits = getattr(self.states, "snapshots_inside_chunks", False)
+        self._scheduler = PrefillScheduler(self.config.chunk_tokens, self._budget, self.config.max_wait_s,
+                                           cut_at_stops=not self._splits)
         self.held = HeldBytes(self.config.max_held_mb * MIB or _default_budget(runner))
         self._jobs: dict[PromptProgress, PrefillJob] = {}
         self._wake = threading.Condition()
@@ -394,12 +404,17 @@ class PrefillEngine:
             if planned is None:
                 continue
             with forward_turn():
-                try:  # forward_rows: a tensor-parallel runner has its own
-                    hidden, rows = self.runner.forward_rows(planned.chunks, planned.every_row)
+                try:
+                    if self._splits:  # the states are this process's: the runner's own forward
+                        out = self.runner.mixed_step(planned.chunks, None, [], [], every_row=planned.every_row,
+                                                     splits=planned.splits)
+                    else:  # forward_rows: a tensor-parallel runner has its own
+                        hidden, rows = self.runner.forward_rows(planned.chunks, planned.every_row)
+                        out = StepOutput(hidden, rows, {}, hidden.new_empty(0))
                 except Exception as error:  # noqa: BLE001 - a failed forward fails its prompts, never the loop
                     self.chunks_ran(planned, None, error)
                     continue
-                self.chunks_ran(planned, StepOutput(hidden, rows, {}, hidden.new_empty(0)), None)
+                self.chunks_ran(planned, out, None)
 
     # ------------------------------------------------------------ as a ChunkSource (epd.mixed)
 
@@ -432,7 +447,11 @@ class PrefillEngine:
             chunks.append((job.embeds[lo:hi], job.positions[:, lo:hi], job.state))
         every_row = frozenset(row for row, (job, _) in enumerate(batch) if job.num_prompt_top is not None)
         ending = frozenset(row for row, (job, end) in enumerate(batch) if end == job.progress.prompt_len)
-        return PlannedChunks(chunks, ending, every_row, ticket=(batch, time.perf_counter()))
+        # snapshot points inside a chunk, as offsets into it (none where the scheduler cut at them)
+        splits = {row: [stop - job.progress.cursor for stop in job.progress.stops if job.progress.cursor < stop < end]
+                  for row, (job, end) in enumerate(batch)}
+        return PlannedChunks(chunks, ending, every_row, ticket=(batch, time.perf_counter()),
+                             splits={row: cuts for row, cuts in splits.items() if cuts})
 
     def chunks_ran(self, planned: PlannedChunks, out: StepOutput | None, error: BaseException | None) -> None:
         """After the forward over ``planned``: prompt logprobs, prefix snapshots, the first token's
@@ -475,20 +494,30 @@ class PrefillEngine:
         for row, (job, end) in enumerate(batch):
             if job.cancelled:  # it left (its state may be gone elsewhere): nothing more of it runs
                 continue
+            for inside in out.snapshots.get(row, ()):  # snapshot points the chunk ran through
+                self._store_prefix(job, job.block_hashes[: inside.num_tokens // self.prefix.block_size], inside)
             last = end == job.progress.prompt_len
             hashes = job.block_hashes[: end // self.prefix.block_size]
             snapshot = bool(end in job.progress.stops and self.config.prefix_cache_mb
                             and self.prefix.wants(hashes[-1]))
             # the whole state at most once a chunk: a snapshot and the handoff share it
             whole = self.states.whole(job.state, release=last) if snapshot or last else None
-            if snapshot and self.prefix.insert(hashes, whole):
-                job.stored.append(summary_key(hashes[-1]))
-                if self.on_stored:
-                    self.on_stored()
+            if snapshot:
+                self._store_prefix(job, hashes, whole)
             if last:
                 job.state = whole
                 logits = out.chunk_logits.get(row)
                 job.logits = logits if logits is not None else self.runner.logits(out.last_hidden[row])
+
+    def _store_prefix(self, job: PrefillJob, hashes: list[bytes], state: HybridState) -> None:
+        """Keep ``state`` (the prompt's first ``len(hashes)`` blocks) in the prefix cache, unless
+        the cache is off or holds it already."""
+        if not (self.config.prefix_cache_mb and self.prefix.wants(hashes[-1])):
+            return
+        if self.prefix.insert(hashes, state):
+            job.stored.append(summary_key(hashes[-1]))
+            if self.on_stored:
+                self.on_stored()
 
     def work(self) -> dict[str, float]:
         """What this replica has computed since it started: seconds in forwards, prompt tokens."""

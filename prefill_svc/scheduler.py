@@ -6,9 +6,12 @@ from one or several prompts (so short prompts share a forward, like vLLM's token
 are taken shortest remaining first (a short prompt that arrives while a long one runs waits for at
 most one forward), arrival order breaking ties; but a prompt that arrived ``max_wait_s`` or more
 ago goes first, oldest first (aging: a steady stream of short prompts never starves a long one,
-and a burst of long prompts finishes in arrival order rather than taking turns). A
-chunk also ends at each of the prompt's snapshot points, where the engine copies the state into
-the prefix cache. The engine owns the tensors; this only counts tokens.
+and a burst of long prompts finishes in arrival order rather than taking turns). Where
+the runner cannot hand out a prompt's state in the middle of a chunk (``cut_at_stops``: a
+tensor-parallel one), a chunk also ends at each of the prompt's snapshot points, where the engine
+copies the state into the prefix cache; otherwise the forward cuts its mixing cores there itself
+(``TextModelRunner.mixed_step``'s splits) and a prompt is not held back a forward for them. The
+engine owns the tensors; this only counts tokens.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ class PromptProgress:
 
 
 class PrefillScheduler:
-    def __init__(self, chunk_tokens: int, batch_tokens: int = 0, max_wait_s: float = float("inf")) -> None:
+    def __init__(self, chunk_tokens: int, batch_tokens: int = 0, max_wait_s: float = float("inf"),
+                 cut_at_stops: bool = True) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
+        self.cut_at_stops = cut_at_stops
         self.batch_tokens = max(batch_tokens, chunk_tokens)
         self.max_wait_s = max_wait_s
         self._waiting: list[PromptProgress] = []
@@ -80,7 +85,7 @@ class PrefillScheduler:
         for progress in starving + rest:
             if budget <= 0:
                 break
-            end = self._chunk_end(progress, min(self.chunk_tokens, budget))
+            end = self._chunk_end(progress, min(self.chunk_tokens, budget), self.cut_at_stops)
             batch.append((progress, end))
             budget -= end - progress.cursor
         return batch
@@ -91,9 +96,9 @@ class PrefillScheduler:
         return batch[0] if batch else None
 
     @staticmethod
-    def _chunk_end(progress: PromptProgress, tokens: int) -> int:
+    def _chunk_end(progress: PromptProgress, tokens: int, cut_at_stops: bool = True) -> int:
         end = min(progress.cursor + tokens, progress.prompt_len)
-        for stop in progress.stops:
+        for stop in progress.stops if cut_at_stops else ():
             if progress.cursor < stop < end:
                 return stop
         return end

@@ -129,3 +129,52 @@ def test_a_mixed_forward_refuses_mismatched_rows(runner):
         runner.mixed_step([prompt.next_chunk(runner.new_state())[0]], batch, [1], [5])
     with pytest.raises(ValueError, match="a prefill chunk or a decode row"):
         runner.mixed_step([], batch, [], [])
+
+
+def test_a_chunk_split_inside_gives_two_forwards_results_and_the_state_between(runner):
+    """A chunk with splits (the prefill engine's snapshot points inside it) runs its mixing cores
+    piece by piece in one forward: the same last row and final state as forwards that end at
+    each split, and at each split the state those forwards leave (what the prefix cache keeps).
+    The chunk here continues a prompt (a state with tokens already) beside another prompt's
+    chunk and a decode row."""
+    prompt, other = Prompt(runner, 57, 20, image=True), Prompt(runner, 14, 21)
+    head, cuts = 9, [16, 32]  # tokens already computed; splits inside the 48-token chunk after them
+    states = {}
+    for side in ("split", "pieces"):
+        state = runner.new_state()
+        runner.forward(prompt.embeds[:head], prompt.positions[:, :head], state)
+        states[side] = state
+    decoding = Prompt(runner, 11, 22)
+    split_side, pieces_side = Side(runner, [decoding]), Side(runner, [decoding])
+    rows = slice(head, prompt.length)
+    chunk = (prompt.embeds[rows], prompt.positions[:, rows], states["split"])
+    out = runner.mixed_step([(other.embeds, other.positions, runner.new_state()), chunk], split_side.batch,
+                            split_side.tokens, split_side.positions, sample_chunks=frozenset({1}),
+                            splits={1: cuts})
+    # the same chunk as three forwards, each ending at a split; the state after each kept whole
+    between, edges = [], [head, *(head + c for c in cuts), prompt.length]
+    for start, end in zip(edges, edges[1:]):
+        last = runner.forward(prompt.embeds[start:end], prompt.positions[:, start:end], states["pieces"])
+        if end < prompt.length:
+            kept = runner.new_state()
+            for kind in ("keys", "values", "conv", "recurrent"):
+                setattr(kept, kind, list(getattr(states["pieces"], kind)))
+            kept.num_tokens = states["pieces"].num_tokens
+            between.append(kept)
+    want_decode = runner.decode_step(pieces_side.batch, pieces_side.tokens, pieces_side.positions)
+    torch.testing.assert_close(out.last_hidden[1], last, **TOL)
+    torch.testing.assert_close(out.chunk_logits[1], runner.logits(last), **TOL)
+    torch.testing.assert_close(out.decode_logits, want_decode, **TOL)
+    assert list(out.snapshots) == [1] and len(out.snapshots[1]) == len(cuts)
+    for got, want in zip(out.snapshots[1], between):
+        assert got.num_tokens == want.num_tokens
+        names = [name for name, _ in got.named_tensors()]
+        assert names == [name for name, _ in want.named_tensors()]
+        for (name, tensor), (_, reference) in zip(got.named_tensors(), want.named_tensors()):
+            torch.testing.assert_close(tensor, reference, **TOL, msg=f"{got.num_tokens} tokens: {name}")
+    assert states["split"].num_tokens == states["pieces"].num_tokens == prompt.length
+    for (name, tensor), (_, reference) in zip(states["split"].named_tensors(), states["pieces"].named_tensors()):
+        torch.testing.assert_close(tensor, reference, **TOL, msg=f"final {name}")
+    with pytest.raises(ValueError, match="cannot be split"):
+        runner.mixed_step([(prompt.embeds[:8], prompt.positions[:, :8], runner.new_state())], None, [], [],
+                          splits={0: [8]})

@@ -127,6 +127,33 @@ def test_prefix_hit_computes_only_the_suffix_and_matches_transformers(oracle, in
     assert_matches_oracle(runner, second, result)
 
 
+def test_snapshot_points_inside_a_chunk_cost_no_extra_forward(oracle, info, redis_url, runner, make_engine,
+                                                             monkeypatch):
+    """A prompt that fits one chunk runs in one forward even though its snapshot points (every 4
+    blocks of 16, its last full block, its turn start) fall inside it: the forward cuts its mixing
+    cores there and hands out the state at each (a scheduler that ended chunks at them took a
+    forward per point). The snapshots are the real ones: the next turn starts from the last one
+    and matches transformers."""
+    engine = make_engine(chunk_tokens=4096, prefix_block_size=16, snapshot_every_blocks=4)
+    forwards = []
+    mixed_step = runner.mixed_step
+    monkeypatch.setattr(runner, "mixed_step", lambda chunks, *args, **kw: forwards.append(
+        [c[0].shape[0] for c in chunks]) or mixed_step(chunks, *args, **kw))
+    first = Case(oracle, info, redis_url, user("Which shapes are in this picture?", SQUARE))
+    engine.run(first.request(), GREEDY)
+    assert forwards == [[len(first.token_ids)]]
+    stops = len(first.token_ids) // 16 // 4  # snapshots every 4 blocks, at least
+    assert engine.prefix.stats().num_entries > stops >= 3, engine.prefix.stats()
+    history = user("Which shapes are in this picture?", SQUARE) + [
+        {"role": "assistant", "content": "A square."}, {"role": "user", "content": "How big?"}]
+    second = Case(oracle, info, redis_url, history)
+    result = engine.run(second.request(), GREEDY)
+    shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
+    assert result.cached_tokens == shared // 16 * 16
+    assert forwards[1:] == [[len(second.token_ids) - result.cached_tokens]]
+    assert_matches_oracle(runner, second, result)
+
+
 def test_a_snapshot_is_never_changed_by_the_requests_that_use_it(oracle, info, redis_url, runner, make_engine):
     engine = make_engine(chunk_tokens=512, prefix_block_size=16, snapshot_every_blocks=0)
     case = Case(oracle, info, redis_url, user("Describe it.", SQUARE), max_new_tokens=8)
