@@ -109,16 +109,25 @@ def test_chunked_prefill_across_images_matches_transformers(oracle, info, redis_
     assert_matches_oracle(runner, case, result)
 
 
+def _next_turn(oracle, info, redis_url, engine, first, question, follow_up):
+    """The second turn of the conversation ``first`` began (``question`` about SQUARE; the answer
+    "A square."), prefilled by ``engine``: its case, its result, and how many tokens it shares
+    with the first turn's prompt."""
+    history = user(question, SQUARE) + [{"role": "assistant", "content": "A square."},
+                                        {"role": "user", "content": follow_up}]
+    second = Case(oracle, info, redis_url, history)
+    result = engine.run(second.request(), GREEDY)
+    shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
+    return second, result, shared
+
+
 def test_prefix_hit_computes_only_the_suffix_and_matches_transformers(oracle, info, redis_url, runner, make_engine):
     engine = make_engine(chunk_tokens=64, prefix_block_size=16, snapshot_every_blocks=4)
     first = Case(oracle, info, redis_url, user("What is in this picture?", SQUARE))
     engine.run(first.request(), GREEDY)
     assert engine.work()["computed_tokens"] == len(first.token_ids) and engine.work()["busy_s"] > 0
-    history = user("What is in this picture?", SQUARE) + [
-        {"role": "assistant", "content": "A square."}, {"role": "user", "content": "And its colour?"}]
-    second = Case(oracle, info, redis_url, history)
-    result = engine.run(second.request(), GREEDY)
-    shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
+    second, result, shared = _next_turn(oracle, info, redis_url, engine, first, "What is in this picture?",
+                                        "And its colour?")
     # The snapshot at the last block edge before the first turn's generation prompt is the one to hit.
     assert result.cached_tokens == shared // 16 * 16
     # the work counted: every prompt token not served from the cache, once
@@ -144,11 +153,8 @@ def test_snapshot_points_inside_a_chunk_cost_no_extra_forward(oracle, info, redi
     assert forwards == [[len(first.token_ids)]]
     stops = len(first.token_ids) // 16 // 4  # snapshots every 4 blocks, at least
     assert engine.prefix.stats().num_entries > stops >= 3, engine.prefix.stats()
-    history = user("Which shapes are in this picture?", SQUARE) + [
-        {"role": "assistant", "content": "A square."}, {"role": "user", "content": "How big?"}]
-    second = Case(oracle, info, redis_url, history)
-    result = engine.run(second.request(), GREEDY)
-    shared = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b)
+    second, result, shared = _next_turn(oracle, info, redis_url, engine, first, "Which shapes are in this picture?",
+                                        "How big?")
     assert result.cached_tokens == shared // 16 * 16
     assert forwards[1:] == [[len(second.token_ids) - result.cached_tokens]]
     assert_matches_oracle(runner, second, result)
