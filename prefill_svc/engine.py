@@ -8,8 +8,8 @@ time, letting the prompt with the fewest tokens left go next (``PrefillScheduler
 prompt is not stuck behind a long one. Chunk edges need no care around images: the whole
 prompt's embeddings are spliced before the first chunk runs. At each snapshot point the state
 is copied into the prefix cache; a point inside a chunk does not end it (the runner hands out the
-state there, ``mixed_step``'s splits), except on a tensor-parallel replica. Positions are computed here from the request alone
-(``epd.positions``), never read from a shared model object.
+state there, ``mixed_step``'s splits), except on a tensor-parallel replica. Positions are
+computed here from the request alone (``epd.positions``), never read from a shared model object.
 
 Prompt logprobs (vLLM's ``prompt_logprobs``, only for a request that asks): the prompt is computed
 from its first token (the prefix cache is not looked up: a cached prefix has no logits, and vLLM
