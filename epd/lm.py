@@ -451,17 +451,18 @@ class StepOutput:
 
 @dataclass
 class _Mix:
-    """Who owns the rows of one mixed forward: the chunks' tokens first (sequence i owns the next
-    ``lengths[i]``, on top of ``states[i]``), then one row per active slot of ``batch``."""
+    """Who owns the rows of one mixed forward: the chunks' tokens first (piece i owns the next
+    ``lengths[i]``, on top of ``states[i]``; a chunk cut at splits is consecutive pieces on one
+    state), then one row per active slot of ``batch``."""
 
     lengths: list[int]
     states: list[HybridState]
     batch: BatchBuffers | None
     num_decode: int  # the batch's active slots (0 without one)
-    marks: list[HybridState | None] = field(default_factory=list)  # per chunk: a snapshot to fill after it
+    marks: list[HybridState | None] = field(default_factory=list)  # per piece: a snapshot to fill after it
 
     def pieces(self):
-        """(length, state, snapshot to fill after it or None) of each chunk, in row order."""
+        """(length, state, snapshot to fill after it or None) of each piece, in row order."""
         return zip(self.lengths, self.states, self.marks or [None] * len(self.lengths))
 
 _RMS_NORMS = (qm.Qwen3_5RMSNorm,)
