@@ -363,18 +363,17 @@ class TextModelRunner:
                           decode_logits=logits[len(sampled):], snapshots=snapshots)
 
     def _layers(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
-                token_ids: list[int], positions: list[int], splits: dict[int, Sequence[int]] | None = None,
-                snapshots: dict[int, list[HybridState]] | None = None) -> torch.Tensor:
+                token_ids: list[int], positions: list[int], splits: dict[int, Sequence[int]],
+                snapshots: dict[int, list[HybridState]]) -> torch.Tensor:
         """The layers over the chunks' tokens then the batch's decode rows: the last layer's output
         ``[1, ΣT + B, hidden]``, before the norm (states and batch not yet advanced). A chunk with
         ``splits`` runs its mixing cores piece by piece; the state after each piece but the last
         goes to ``snapshots[chunk]`` (``mixed_step``)."""
         device = self.device
-        snapshots = {} if snapshots is None else snapshots
         lengths, states, marks = [], [], []  # per piece of a chunk (a chunk without splits is one piece)
         for number, (embeds, _, state) in enumerate(chunks):
             length = embeds.shape[0]
-            cuts = sorted(set((splits or {}).get(number, ())))
+            cuts = sorted(set(splits.get(number, ())))
             if cuts and not 0 < cuts[0] <= cuts[-1] < length:
                 raise ValueError(f"chunk {number} of {length} tokens cannot be split at {cuts}")
             for start, end in zip([0, *cuts], [*cuts, length]):
@@ -463,7 +462,7 @@ class _Mix:
 
     def pieces(self):
         """(length, state, snapshot to fill after it or None) of each piece, in row order."""
-        return zip(self.lengths, self.states, self.marks or [None] * len(self.lengths))
+        return zip(self.lengths, self.states, self.marks, strict=True)
 
 _RMS_NORMS = (qm.Qwen3_5RMSNorm,)
 

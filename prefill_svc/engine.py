@@ -186,9 +186,8 @@ class PrefillEngine:
         # riding another loop's steps, a forward's budget is the step's (decode rows included)
         self._budget = self.config.batch_tokens if own_loop else self.config.step_tokens
         # a chunk ends at a snapshot point only where the forward cannot hand out the state there
-        self._splits = getattr(self.states, "snapshots_inside_chunks", False)
         self._scheduler = PrefillScheduler(self.config.chunk_tokens, self._budget, self.config.max_wait_s,
-                                           cut_at_stops=not self._splits)
+                                           cut_at_stops=not getattr(self.states, "snapshots_inside_chunks", False))
         self.held = HeldBytes(self.config.max_held_mb * MIB or _default_budget(runner))
         self._jobs: dict[PromptProgress, PrefillJob] = {}
         self._wake = threading.Condition()
@@ -405,7 +404,7 @@ class PrefillEngine:
                 continue
             with forward_turn():
                 try:
-                    if self._splits:  # the states are this process's: the runner's own forward
+                    if planned.splits:  # snapshot points inside chunks (only where the states are local)
                         out = self.runner.mixed_step(planned.chunks, None, [], [], every_row=planned.every_row,
                                                      splits=planned.splits)
                     else:  # forward_rows: a tensor-parallel runner has its own
