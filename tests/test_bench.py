@@ -512,3 +512,39 @@ def test_the_engine_step_bench_times_steps_of_the_whole_batch(tiny_model_dir):
     steps, wall, rows = time_engine_steps(tiny_model_dir, "float32", batch=4, tokens=6, prompt_tokens=40)
     assert steps >= 5 and wall > 0  # the first token comes from the prefill: 5 more steps at least
     assert rows / steps > 3.5  # (a step or two may run before the last request has joined)
+
+
+def test_stack_tax_stops_every_process_under_it_and_resumes_them(monkeypatch):
+    """``bench.stack_tax`` stops the stack as the processes under its own (Ray's daemons are the
+    launcher's children, the actors theirs): a grandchild is found and stopped, and every one runs
+    again after the block, also when the block raised."""
+    from bench import stack_tax
+    from epd.discovery import wait_until
+
+    monkeypatch.setattr(stack_tax, "SETTLE_S", 0.05)
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"])
+    try:
+        assert wait_until(lambda: len(psutil.Process(parent.pid).children()) == 2, 10)
+        tree = stack_tax.descendants(os.getpid())
+        grandchildren = [c.pid for c in psutil.Process(parent.pid).children()]
+        assert parent.pid in tree and set(grandchildren) <= set(tree)
+        assert os.getpid() not in tree
+        with pytest.raises(RuntimeError), stack_tax.stopped([parent.pid, *grandchildren]):
+            assert all(psutil.Process(pid).status() == psutil.STATUS_STOPPED for pid in [parent.pid, *grandchildren])
+            raise RuntimeError("a failed profile run")
+        assert all(psutil.Process(pid).status() != psutil.STATUS_STOPPED for pid in [parent.pid, *grandchildren])
+    finally:
+        for child in psutil.Process(parent.pid).children():
+            child.kill()
+        parent.kill()
+        parent.wait()
+
+
+def test_stack_tax_reads_the_step_profiles_median(tiny_model_dir):
+    """The line ``bench.decode_step_profile`` prints is the one ``bench.stack_tax`` parses: a real
+    run on the tiny checkpoint gives a positive wall and CPU time."""
+    from bench import stack_tax
+
+    wall, cpu = stack_tax.profile(tiny_model_dir, "float32",
+                                  ["--batch", "2", "--context", "16", "--threads", "1", "--steps", "4"])
+    assert wall > 0 and cpu > 0
