@@ -88,7 +88,11 @@ def test_ctrl_c_on_generate_exits_quietly_with_130():
             pass
         return iter(())
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    # the client's keepalive pings accepted as every epd server accepts them: a default server answers
+    # the third with GOAWAY "too_many_pings" (~15 s in), and on a loaded machine that came first
+    from epd.rpc import KEEPALIVE_OPTIONS
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=KEEPALIVE_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "epd.v1.Router", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
     port = server.add_insecure_port("127.0.0.1:0")
