@@ -88,8 +88,8 @@ def test_ctrl_c_on_generate_exits_quietly_with_130():
             pass
         return iter(())
 
-    # the client's keepalive pings accepted as every epd server accepts them: a default server answers
-    # the third with GOAWAY "too_many_pings" (~15 s in), and on a loaded machine that came first
+    # the client's keepalive pings accepted as every epd server accepts them (a default server
+    # answers the third, ~15 s in, with GOAWAY "too_many_pings")
     from epd.rpc import KEEPALIVE_OPTIONS
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=KEEPALIVE_OPTIONS)
@@ -97,8 +97,12 @@ def test_ctrl_c_on_generate_exits_quietly_with_130():
         "epd.v1.Router", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    # SIGINT at its default in the child, as in a terminal: a test run started in the background
+    # by a shell without job control ignores SIGINT, the child inherits that, and Python then
+    # installs no handler for it (the call would only end by its own failure)
     proc = subprocess.Popen([sys.executable, "-m", "control.cli", "generate", "--addr", f"127.0.0.1:{port}",
-                             "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert in_flight.wait(120), "epd generate's call never reached the server"
         proc.send_signal(signal.SIGINT)
