@@ -30,29 +30,16 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 STEP = re.compile(r"step median ([0-9.]+) ms wall, ([0-9.]+) ms CPU")
 DEFAULT_PROFILE = ["--batch", "16", "--context", "300", "--threads", "2", "--linears", "decode", "--steps", "60"]
 SETTLE_S = 5.0  # after a stop or a resume, before the next run: the stack's timers catch up
 
 
 def descendants(root: int) -> list[int]:
-    """Every live process under ``root`` (children, their children, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every live process under ``root`` (children, their children, ...)."""
+    return [child.pid for child in psutil.Process(root).children(recursive=True)]
 
 
 @contextlib.contextmanager
