@@ -14,7 +14,8 @@ What is real and what is modelled:
   ``fixed_s + per_token_s x (prompt tokens - cached tokens)`` (measured on this machine:
   ``--measure``); a replica reports its queued work and summary every ``HEARTBEAT_S`` and
   ``Membership.MIN_REPORT_S`` after it stores a snapshot, and routers see a report one
-  ``POLL_S`` later (as ``RegistryWatch`` does); the router's own calls count at once, and the
+  ``POLL_S`` later (the most a ``RegistryWatch`` takes: at once while it waits in the registry,
+  at most ``POLL_S`` after its last read); the router's own calls count at once, and the
   router that sent a prompt learns the snapshots it stored from the reply (``Balancer.note_stored``). Encode,
   handoff and decode are not simulated: the next turn comes ``answer x TPOT + think time`` after
   the first token. TTFT here is queueing plus prefill.
@@ -43,7 +44,7 @@ from epd.lm import HybridState
 from epd.v1 import epd_pb2
 from prefill_svc.caches import PrefixCache, snapshot_points
 
-POLL_S = RoleContext.poll_s  # how often a router's watch re-reads the registry (its default)
+POLL_S = RoleContext.poll_s  # the longest a router's watch takes to see a report (its default)
 IMAGE_TOKEN = 151655  # any id: the keys only need the placeholders to be one
 POLICIES = ("round-robin", "least-load", "affinity", "epd")
 

@@ -69,6 +69,12 @@ class LocalStack:
         # are the workload here: at nice 0 the served decode step was ~8% shorter (two A/B pairs,
         # docs/BENCHMARKS.md). The raylet this starts reads it for the workers it forks.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        # No idle Ray workers held in reserve: every role is an actor in a process of its own (epd
+        # submits no tasks), so the workers Ray pre-starts only ever idle, and each idle worker
+        # wakes 100 times a second (its core worker's signal check), which on shared cores takes
+        # a core from a forward's thread team mid-step ("what an idle stack costs", BENCHMARKS).
+        os.environ.setdefault("RAY_enable_worker_prestart", "0")
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
         # ... and split the cores by how many of them compute at each forward (epd.core_share).
         if core_share.ENV not in os.environ:
             self._core_share_dir = tempfile.mkdtemp(prefix="epd-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm")

@@ -638,7 +638,8 @@ class DeployConfig:
     """Port of the controller's Prometheus endpoint; 0 picks a free one (kept across a restart of
     the controller)."""
     poll_s: float = 0.25
-    """How often a role re-reads the registry for replicas that joined or left."""
+    """The shortest time between two reads of the registry by one watcher (each read waits there
+    for a change, up to ``discovery.LONG_POLL_S``): replicas that joined or left, and their load."""
     drain_timeout_s: float = 30.0
     """On shutdown (SIGTERM/SIGINT to epd serve, epd down) the routers stop taking requests and
     those in flight get this many seconds to finish; streams still running then end with UNAVAILABLE."""

@@ -8,11 +8,16 @@ within a heartbeat. The controller marks replicas unhealthy when its probes fail
 when it removes them; a removed name is never re-added by a late heartbeat.
 
 Consumers (the Encoder service for encoder replicas, the router for Encoder services, prefill and
-decode, prefill for decode) watch the registry with a ``RegistryWatch``: a thread that re-reads
-it every ``poll_s`` (one call that carries the acknowledgement and brings endpoints back only when
-something changed), keeps its last view while the registry is away, and acknowledges the version
+decode, prefill for decode) watch the registry with a ``RegistryWatch``: a thread whose call to
+the registry (it carries the acknowledgement and brings endpoints back only when something
+changed) waits there until something changes, up to ``LONG_POLL_S``, then at least ``poll_s``
+before the next; it keeps its last view while the registry is away, and acknowledges the version
 it applied together with the calls it still has in flight to each replica, so a drain knows when
-no consumer will pick a draining replica again and none has a call to it on the way.
+no consumer will pick a draining replica again and none has a call to it on the way (while it has
+calls in flight to a draining replica it reads every ``poll_s`` without waiting, so the drain
+hears them end). An idle deployment's watchers so cost the machine one call per ``LONG_POLL_S``
+each instead of one per ``poll_s``: on shared cores every wake-up of another process stalls a
+model forward's thread team (docs/BENCHMARKS.md, "what an idle stack costs").
 
 ``Balancer`` is a caller's bookkeeping: the healthy, non-draining replicas, the calls in flight to
 each, and a circuit breaker per replica (a failed call keeps it out of rotation for a back-off
@@ -47,6 +52,7 @@ HEARTBEAT_S = DeployConfig.heartbeat_s  # the defaults; the deployment's own com
 REFILL_GRACE_S = DeployConfig.refill_grace_s  # after a registry restart, a known replica missing from it is kept this long
 WATCHER_STALE_S = 10.0  # a watcher silent this long is gone: a drain no longer waits for its ack
 STRANDED_S = 2.0  # a replica that said nothing behind it serves counts as unavailable this long
+LONG_POLL_S = 5.0  # a watcher's call waits at the registry this long for a change (< WATCHER_STALE_S)
 WARMUP_HEARTBEATS = 3  # a restarted registry is refilled by the replicas' heartbeats within this many
 
 
@@ -72,7 +78,7 @@ class RoleContext:
     registry: object = None
     """The deployment's ``Registry`` actor handle."""
     poll_s: float = 0.25
-    """How often its watchers re-read the registry."""
+    """The shortest time between two reads of the registry by one of its watchers."""
     heartbeat_s: float = HEARTBEAT_S
     """How often it registers itself again (``DeployConfig.heartbeat_s``)."""
     refill_grace_s: float = REFILL_GRACE_S
@@ -159,7 +165,9 @@ class Registry:
         self._endpoints: dict[str, Endpoint] = {}
         self._removed: set[str] = set()
         self._version = 0
+        self._role_changed: dict[str, int] = {}  # the version at which each role's endpoints last changed
         self._watchers: dict[str, _Watcher] = {}
+        self._changes: dict[str, asyncio.Event] = {}  # by role: what ``watch`` waits on, set at its next change
 
     def register(self, endpoint: Endpoint) -> int:
         """A replica that serves (again): new ones join healthy; a draining one stays draining."""
@@ -170,10 +178,10 @@ class Registry:
             if known.load == endpoint.load:
                 return self._version  # a heartbeat: nothing changed
             self._endpoints[endpoint.name] = replace(known, load=endpoint.load)  # health and drain stay as judged
-            return self._bump()
+            return self._bump(endpoint)
         draining = known.draining if known is not None else False
         self._endpoints[endpoint.name] = replace(endpoint, draining=draining, healthy=True)
-        return self._bump()
+        return self._bump(endpoint, known)
 
     def mark(self, name: str, healthy: bool, incarnation: str = "") -> int:
         """The controller's verdict on a replica, about the process it probed (``incarnation``):
@@ -184,22 +192,22 @@ class Registry:
             return self._version
         if endpoint.healthy != healthy:
             self._endpoints[name] = replace(endpoint, healthy=healthy)
-            return self._bump()
+            return self._bump(endpoint)
         return self._version
 
     def drain(self, name: str) -> int:
         endpoint = self._endpoints.get(name)
         if endpoint is not None:
             self._endpoints[name] = replace(endpoint, draining=True)
-        return self._bump()
+        return self._bump(endpoint)
 
     def remove(self, name: str) -> int:
-        self._endpoints.pop(name, None)
+        endpoint = self._endpoints.pop(name, None)
         self._removed.add(name)
         # A removed replica's own watchers will never acknowledge again.
         for watcher in [w for w in self._watchers if w.startswith(name + "/")]:
             del self._watchers[watcher]
-        return self._bump()
+        return self._bump(endpoint)
 
     def snapshot(self, watcher: str = "", role: str = "") -> View:
         """Every endpoint, with the epoch and version; a watcher is known from its first read on,
@@ -211,17 +219,39 @@ class Registry:
 
     def poll(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> View | None:
         """A watcher's periodic call, one round trip: it acknowledges the (``epoch``, ``version``)
-        it applied with its calls in flight, and gets ``role``'s endpoints back only when the
-        registry changed since (None otherwise), so a steady deployment's polls carry no
-        endpoint lists."""
+        it applied with its calls in flight, and gets ``role``'s endpoints back only when they
+        changed since (None otherwise), so a steady deployment's polls carry no endpoint lists. A
+        watcher that has ``role``'s latest endpoints is up to date whatever else changed: it
+        counts as having applied the current version (``acked``)."""
+        current = epoch == self.epoch and version >= self._role_changed.get(role, 0)
         if epoch == self.epoch:
-            self._watchers[watcher] = _Watcher(role, version, dict(outstanding))
+            self._watchers[watcher] = _Watcher(role, self._version if current else version, dict(outstanding))
         elif watcher not in self._watchers:
             self._watchers[watcher] = _Watcher(role)
-        if epoch == self.epoch and version == self._version:
+        if current:
             return None
         return View(self.epoch, self._version, [e for e in self._endpoints.values() if e.serves(role)],
                     warming=time.monotonic() - self._started < self._warmup_s)
+
+    async def watch(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int],
+                    wait_s: float) -> View | None:
+        """``poll``, except that when ``role``'s endpoints did not change since (``epoch``,
+        ``version``) the call waits here up to ``wait_s`` for their next change and returns the
+        view then (None if none came): another role's changes (its replicas' load reports under
+        load) wake nobody watching this one. Waiting calls cost this actor nothing: an ``async``
+        method makes Ray run it as an asyncio actor, whose plain methods run one at a time on its
+        event loop as before."""
+        view = self.poll(watcher, role, epoch, version, outstanding)
+        if view is not None or wait_s <= 0:
+            return view
+        changed = self._changes.setdefault(role, asyncio.Event())
+        try:
+            await asyncio.wait_for(changed.wait(), wait_s)
+        except asyncio.TimeoutError:
+            return None
+        if watcher not in self._watchers:  # forgotten while it waited (its consumer closed)
+            return None
+        return self.poll(watcher, role, epoch, version, outstanding)
 
     def ack(self, watcher: str, role: str, epoch: str, version: int, outstanding: dict[str, int]) -> None:
         if epoch == self.epoch:
@@ -242,8 +272,15 @@ class Registry:
                 return False
         return True
 
-    def _bump(self) -> int:
+    def _bump(self, *endpoints: Endpoint | None) -> int:
+        """A new version, in which the roles ``endpoints`` serve changed; wakes their watchers."""
         self._version += 1
+        for endpoint in endpoints:
+            for role in (endpoint.role, *endpoint.also_roles) if endpoint is not None else ():
+                self._role_changed[role] = self._version
+                event = self._changes.pop(role, None)
+                if event is not None:
+                    event.set()  # the watchers waiting in ``watch`` on this role
         return self._version
 
 
@@ -320,11 +357,12 @@ def refill(known: list[Endpoint], listed: list[Endpoint], warming: bool, since_s
 class RegistryWatch:
     """Keeps a consumer's view of one role current: calls ``on_change(endpoints)`` with the
     role's endpoints whenever the registry changed, then acknowledges the version together with
-    ``outstanding()`` (calls in flight per replica)."""
+    ``outstanding()`` (calls in flight per replica). Each call waits at the registry for a change
+    (up to ``long_poll_s``); consecutive calls are at least ``poll_s`` apart."""
 
     def __init__(self, registry, role: str, watcher: str, on_change: Callable[[list[Endpoint]], None],
                  poll_s: float = 0.25, outstanding: Callable[[], dict[str, int]] = dict,
-                 refill_grace_s: float = REFILL_GRACE_S) -> None:
+                 refill_grace_s: float = REFILL_GRACE_S, long_poll_s: float = LONG_POLL_S) -> None:
         self.registry = registry
         self.role = role
         self.watcher = f"{watcher}/{role}"
@@ -332,6 +370,7 @@ class RegistryWatch:
         self.outstanding = outstanding
         self.poll_s = poll_s
         self.refill_grace_s = refill_grace_s
+        self.long_poll_s = long_poll_s
         self.seen: tuple[str, int] = ("", -1)
         self._applied: list[Endpoint] = []  # what on_change last got
         self._refill_since: float | None = None  # when this watcher first saw a restarted registry
@@ -340,13 +379,15 @@ class RegistryWatch:
         self._thread = threading.Thread(target=self._loop, name=f"watch-{role}", daemon=True)
         self._thread.start()
 
-    def sync(self) -> None:
-        """One poll: acknowledges what this watcher applied, and applies what changed. The first
-        call (``seen`` empty) always gets the registry's view."""
+    def sync(self, wait_s: float = 0.0) -> None:
+        """One poll: acknowledges what this watcher applied, and applies what changed (waiting up
+        to ``wait_s`` at the registry for a change). The first call (``seen`` empty) always gets
+        the registry's view at once."""
         import ray
 
-        view = ray.get(self.registry.poll.remote(self.watcher, self.role, *self.seen, self.outstanding()), timeout=30)
-        if view is None:
+        call = self.registry.watch.remote(self.watcher, self.role, *self.seen, self.outstanding(), wait_s)
+        view = ray.get(call, timeout=wait_s + 30)
+        if view is None or self._stop.is_set():
             return  # nothing changed; the poll carried the acknowledgement
         endpoints = [e for e in view.endpoints if e.serves(self.role)]
         if self.seen[0] and view.epoch != self.seen[0]:  # Ray restarted the registry
@@ -370,11 +411,19 @@ class RegistryWatch:
         self.on_change(endpoints)
         self._applied = endpoints
 
+    def _wait_s(self) -> float:
+        """How long the next call may wait at the registry: not at all while this consumer has
+        calls in flight to a draining replica (the drain waits to hear that they ended)."""
+        outstanding = self.outstanding()
+        if any(e.draining and outstanding.get(e.name, 0) > 0 for e in self._applied):
+            return 0.0
+        return self.long_poll_s
+
     def _loop(self) -> None:
         failing = False
         while not self._stop.wait(self.poll_s):
             try:
-                self.sync()
+                self.sync(self._wait_s())
                 failing = False
             except Exception as error:  # noqa: BLE001 - the registry is briefly away: keep the last view
                 if not failing:

@@ -1,10 +1,13 @@
-"""Bookkeeping of discovery, balancing and replica life, without Ray: the registry's versions,
-heartbeats, health marks and drain acknowledgements; least-busy picking with circuit breakers;
-the controller's reading of probes (``control.fleet``); the autoscaling policy's decisions."""
+"""Bookkeeping of discovery, balancing and replica life, without Ray (but for one watch on a real
+Ray registry actor): the registry's versions, waiting watches, heartbeats, health marks and drain
+acknowledgements; least-busy picking with circuit breakers; the controller's reading of probes
+(``control.fleet``); the autoscaling policy's decisions."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import pickle
 import subprocess
 import sys
@@ -70,6 +73,92 @@ def test_a_poll_acknowledges_and_brings_endpoints_only_when_something_changed():
     assert registry.acked("decode", version, "decode-1")
     # a watcher that knew an older registry (Ray restarted it) gets the full view again
     assert registry.poll("router-1/decode", "decode", "an-old-epoch", 7, {}).epoch == registry.epoch
+
+
+def test_a_watch_waits_at_the_registry_until_something_changes():
+    """A watcher's call returns at once when its role's endpoints changed since what it saw, else
+    waits there for their next change (and returns it), or returns nothing when the wait ends
+    without one."""
+    registry = Registry()
+    registry.register(_ep("decode-1"))
+    first = registry.poll("router-1/decode", "decode", "", -1, {})
+
+    async def scenario():
+        # a change already there: no wait
+        registry.register(_ep("decode-2"))
+        started = time.monotonic()
+        view = await registry.watch("router-1/decode", "decode", first.epoch, first.version, {}, 30.0)
+        assert time.monotonic() - started < 1 and [e.name for e in view.endpoints] == ["decode-1", "decode-2"]
+        # nothing changed: the call waits, and the change made meanwhile comes back with it
+        waiting = asyncio.ensure_future(registry.watch("router-1/decode", "decode", view.epoch, view.version,
+                                                       {"decode-1": 1}, 30.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and registry._watchers["router-1/decode"].outstanding == {"decode-1": 1}
+        version = registry.drain("decode-2")
+        changed = await asyncio.wait_for(waiting, 5)
+        assert changed.version == version and [e.draining for e in changed.endpoints] == [False, True]
+        # nothing changes within the wait: nothing comes back, after the wait
+        started = time.monotonic()
+        assert await registry.watch("router-1/decode", "decode", changed.epoch, version, {}, 0.3) is None
+        assert time.monotonic() - started >= 0.3
+        # another role's changes (a prefill replica joining, its load reports) wake nobody watching
+        # decode, and that watcher, which has decode's latest, counts as having applied them
+        waiting = asyncio.ensure_future(registry.watch("router-1/decode", "decode", changed.epoch, version, {}, 0.5))
+        await asyncio.sleep(0.1)
+        registry.register(_ep("p-1", role="prefill"))
+        other = registry.register(_ep("p-1", role="prefill", load=discovery.Load(queued_tokens=7)))
+        assert await waiting is None and not registry.acked("decode", other)
+        assert registry.poll("router-1/decode", "decode", changed.epoch, version, {}) is None
+        assert registry.acked("decode", other)
+        # ... but an aggregated replica (prefill that decodes too) changes both roles
+        aggregated = registry.register(_ep("p-2", role="prefill", also_roles=("decode",)))
+        assert [e.name for e in registry.poll("router-1/decode", "decode", changed.epoch, version, {}).endpoints] == \
+            ["decode-1", "decode-2", "p-2"]
+        version = aggregated
+        # a watcher forgotten while it waits (its consumer closed) is not recorded again
+        waiting = asyncio.ensure_future(registry.watch("router-1/decode", "decode", changed.epoch, version, {}, 30.0))
+        await asyncio.sleep(0.1)
+        registry.forget_watcher("router-1/decode")
+        registry.register(_ep("decode-3"))
+        assert await asyncio.wait_for(waiting, 5) is None and "router-1/decode" not in registry._watchers
+
+    asyncio.run(scenario())
+
+
+_WATCH_ON_RAY = """
+import json, sys, threading, time
+from control.cli import _ray_env
+_ray_env("127.0.0.1:0")
+import ray
+from epd import discovery
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", namespace="watch")
+registry = ray.remote(discovery.Registry).remote()
+ray.get(registry.register.remote(discovery.Endpoint(name="decode-1", role="decode", address="h:1", incarnation="a")))
+seen, changed = [], threading.Event()
+def on_change(endpoints):
+    seen.append(sorted(e.name for e in endpoints))
+    if len(seen) > 1:
+        changed.set()
+watch = discovery.RegistryWatch(registry, "decode", "router-1", on_change, poll_s=0.05, long_poll_s=60.0)
+time.sleep(1.0)  # the watch thread is waiting at the registry by now
+ray.get(registry.register.remote(discovery.Endpoint(name="decode-2", role="decode", address="h:2", incarnation="b")))
+started = time.monotonic()
+out = {"changed": changed.wait(20), "after_s": time.monotonic() - started, "seen": seen}
+watch.close()
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_watch_on_a_ray_registry_hears_a_change_while_it_waits():
+    """The registry runs as a Ray actor with waiting calls in it (an asyncio actor): a watcher
+    waiting there gets a replica that joined at once, not at the end of its wait, and the
+    registry still takes every other call meanwhile (the registration that wakes it)."""
+    out = subprocess.run([sys.executable, "-c", _WATCH_ON_RAY], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["changed"] and result["after_s"] < 10, result
+    assert result["seen"] == [["decode-1"], ["decode-1", "decode-2"]], result
 
 
 def test_registry_drain_waits_for_every_watcher_and_its_calls_in_flight():
