@@ -7,7 +7,11 @@ residual add + RMSNorm, the full-attention step in two calls); ``--linears decod
 linear layers on epd's few-row kernel (a decode replica's default; this tool's is oneDNN), the other options turn each
 part off, to measure what each is worth.
 
-Prints the median wall and CPU time of a step (after 3 warm-up steps). Run it under
+Prints the median wall and CPU time of a step (after 3 warm-up steps), and how long the process's
+threads waited for a core a step on average (ready to run while other processes held the cores:
+the per-thread ``run_delay`` of ``/proc``'s schedstat; "-" where the kernel does not keep it). On a
+machine whose every core is in the thread team, each such wait also holds the rest of the team at
+the next barrier (``bench.stack_tax``). Run it under
 ``py-spy record`` to see where a step goes by Python line, or with ``--table`` for torch's
 profiler table by op (5 more steps). One thread by default: on a shared machine a single
 thread's CPU time moves least with what else runs, and no OpenMP barrier waits are counted.
@@ -16,6 +20,7 @@ thread's CPU time moves least with what else runs, and no OpenMP barrier waits a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,6 +29,19 @@ import torch
 from decode_svc.batch import DecodeBatch
 from epd import kernels, lm, positions
 from epd.lm import TextModelRunner
+
+
+def runqueue_wait_s() -> float | None:
+    """Seconds this process's threads have waited for a core (ready to run, another process on
+    it), from the second field of each thread's ``/proc`` schedstat; None where there is none."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / 1e9
 
 
 def main() -> None:
@@ -60,16 +78,22 @@ def main() -> None:
         batch.add(state)
     position = args.context
     walls, cpus = [], []
-    for _ in range(args.steps + 3):
+    waited = None
+    for step in range(args.steps + 3):
+        if step == 3:  # after the warm-up steps, as the medians
+            waited = runqueue_wait_s()
         wall, cpu = time.perf_counter(), time.process_time()
         tokens = runner.decode_step(batch, tokens, [position] * args.batch).argmax(-1).tolist()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
         position += 1
+    end = runqueue_wait_s()
+    wait = f"{(end - waited) / args.steps * 1e3:.1f} ms" if waited is not None and end is not None else "-"
     print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s), "
           f"linears {args.linears}, merge {args.merge}, fused norms {args.fused_norms}, "
           f"paged attention {args.paged_attention}: "
-          f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU")
+          f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU, "
+          f"waited for a core {wait} a step")
     if args.table:
         from torch.profiler import ProfilerActivity, profile
 

@@ -10,7 +10,9 @@ that ``epd serve`` uses, ``control.local.LocalStack``), leaves it idle, and runs
 after ``--``, by default 16 rows of 300 tokens on 2 threads with epd's few-row kernel) twice a
 round: once with the stack running, once with every process of the stack stopped (SIGSTOP; SIGCONT
 after). Rounds alternate the two so the machine's drift falls on both. Prints each run's median
-step and the ratio of the medians; ``--json`` writes them.
+step and how long the profile's threads waited for a core a step (ready to run while another
+process held it: the most direct measure of the tax, steadier than the step time on a noisy
+machine), the medians' ratio; ``--json`` writes them.
 
 Measured with it (docs/BENCHMARKS.md, "what an idle stack costs a two-thread forward"): on the
 2-core test machine a two-thread decode step is ~12% slower beside the idle stack (1.123), a
@@ -32,7 +34,7 @@ import time
 
 import psutil
 
-STEP = re.compile(r"step median ([0-9.]+) ms wall, ([0-9.]+) ms CPU")
+STEP = re.compile(r"step median ([0-9.]+) ms wall, ([0-9.]+) ms CPU, waited for a core ([0-9.]+ ms|-) a step")
 DEFAULT_PROFILE = ["--batch", "16", "--context", "300", "--threads", "2", "--linears", "decode", "--steps", "60"]
 SETTLE_S = 5.0  # after a stop or a resume, before the next run: the stack's timers catch up
 
@@ -60,14 +62,16 @@ def stopped(pids: list[int]):
         time.sleep(SETTLE_S)
 
 
-def profile(model: str, dtype: str, args: list[str]) -> tuple[float, float]:
-    """One ``bench.decode_step_profile`` run: its median step's (wall, CPU) milliseconds."""
+def profile(model: str, dtype: str, args: list[str]) -> tuple[float, float, float | None]:
+    """One ``bench.decode_step_profile`` run: its median step's wall and CPU milliseconds, and the
+    milliseconds its threads waited for a core a step (None where the kernel does not say)."""
     command = [sys.executable, "-m", "bench.decode_step_profile", model, "--dtype", dtype, *args]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     match = STEP.search(done.stdout)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    return float(match.group(1)), float(match.group(2))
+    waited = match.group(3)
+    return float(match.group(1)), float(match.group(2)), None if waited == "-" else float(waited.split()[0])
 
 
 def main() -> None:
@@ -91,7 +95,7 @@ def main() -> None:
                                  serve__encode__dtype=args.dtype, serve__prefill__dtype=args.dtype,
                                  serve__decode__dtype=args.dtype)
     stack = LocalStack(config)
-    runs: dict[str, list[tuple[float, float]]] = {"beside the idle stack": [], "stack stopped": []}
+    runs: dict[str, list[tuple[float, float, float | None]]] = {"beside the idle stack": [], "stack stopped": []}
     try:
         print(f"stack ready at {stack.start()}", flush=True)
         time.sleep(SETTLE_S)
@@ -101,22 +105,28 @@ def main() -> None:
             # the launcher, stays running: it is the Ray driver the stack is stopped through
             with stopped(descendants(os.getpid())):
                 runs["stack stopped"].append(profile(args.model, args.dtype, profile_args))
-            print(f"round {round_}: " + ", ".join(f"{name} {wall[-1][0]:.1f} ms" for name, wall in runs.items()),
-                  flush=True)
+            print(f"round {round_}: " + ", ".join(f"{name} {run[-1][0]:.1f} ms (waited {_ms(run[-1][2])})"
+                                                   for name, run in runs.items()), flush=True)
     finally:
         stack.stop()
-    medians = {name: statistics.median(wall for wall, _ in values) for name, values in runs.items()}
-    print(f"decode_step_profile {' '.join(profile_args)} ({args.dtype}), median step over {args.rounds} "
-          f"run(s) each:")
+    medians = {name: statistics.median(wall for wall, _, _ in values) for name, values in runs.items()}
+    waits = {name: statistics.median(w for _, _, w in values) if all(w is not None for _, _, w in values) else None
+             for name, values in runs.items()}
+    print(f"decode_step_profile {' '.join(profile_args)} ({args.dtype}), median over {args.rounds} run(s) each:")
     for name, value in medians.items():
-        print(f"  {name}: {value:.1f} ms")
+        print(f"  {name}: step {value:.1f} ms, waited for a core {_ms(waits[name])} a step")
     ratio = medians["beside the idle stack"] / medians["stack stopped"]
     print(f"  ratio: {ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profile_args": profile_args, "dtype": args.dtype,
-                       "runs_ms": {name: [{"wall": w, "cpu": c} for w, c in values] for name, values in runs.items()},
-                       "median_ms": medians, "ratio": ratio}, f, indent=1)
+                       "runs_ms": {name: [{"wall": w, "cpu": c, "waited": q} for w, c, q in values]
+                                   for name, values in runs.items()},
+                       "median_ms": medians, "median_waited_ms": waits, "ratio": ratio}, f, indent=1)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 if __name__ == "__main__":

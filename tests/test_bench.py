@@ -542,9 +542,11 @@ def test_stack_tax_stops_every_process_under_it_and_resumes_them(monkeypatch):
 
 def test_stack_tax_reads_the_step_profiles_median(tiny_model_dir):
     """The line ``bench.decode_step_profile`` prints is the one ``bench.stack_tax`` parses: a real
-    run on the tiny checkpoint gives a positive wall and CPU time."""
+    run on the tiny checkpoint gives a positive wall and CPU time, and (Linux keeps per-thread
+    schedstat) how long its threads waited for a core."""
     from bench import stack_tax
 
-    wall, cpu = stack_tax.profile(tiny_model_dir, "float32",
-                                  ["--batch", "2", "--context", "16", "--threads", "1", "--steps", "4"])
+    wall, cpu, waited = stack_tax.profile(tiny_model_dir, "float32",
+                                          ["--batch", "2", "--context", "16", "--threads", "1", "--steps", "4"])
     assert wall > 0 and cpu > 0
+    assert waited is not None and waited >= 0
