@@ -248,6 +248,8 @@ class Registry:
         try:
             await asyncio.wait_for(changed.wait(), wait_s)
         except asyncio.TimeoutError:
+            if watcher in self._watchers:  # it was here all along: not silent (``WATCHER_STALE_S``)
+                self._watchers[watcher].seen_at = time.monotonic()
             return None
         if watcher not in self._watchers:  # forgotten while it waited (its consumer closed)
             return None

@@ -101,6 +101,8 @@ def test_a_watch_waits_at_the_registry_until_something_changes():
         started = time.monotonic()
         assert await registry.watch("router-1/decode", "decode", changed.epoch, version, {}, 0.3) is None
         assert time.monotonic() - started >= 0.3
+        # ... and it counts as heard from at the end of its wait, not at its start
+        assert time.monotonic() - registry._watchers["router-1/decode"].seen_at < 0.1
         # another role's changes (a prefill replica joining, its load reports) wake nobody watching
         # decode, and that watcher, which has decode's latest, counts as having applied them
         waiting = asyncio.ensure_future(registry.watch("router-1/decode", "decode", changed.epoch, version, {}, 0.5))
