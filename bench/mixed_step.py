@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=8, help="decode rows (W1: concurrency 8)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the wall-time measure")
+    parser.add_argument("--as-replica", action="store_true",
+                        help="load the runner as an aggregated replica does (decode=True: merged projections, "
+                             "the linear kernel lm.decode_linear_default picks); default: as a prefill replica")
     args = parser.parse_args(argv)
-    runner = TextModelRunner.load(args.model_dir, dtype=args.dtype)
+    runner = TextModelRunner.load(args.model_dir, dtype=args.dtype, decode=args.as_replica)
     runner.prepare_decode_kernels()
     generator = torch.Generator().manual_seed(0)
     embeds = runner.embed(torch.randint(0, runner.vocab_size, (PROMPT_TOKENS,), generator=generator))

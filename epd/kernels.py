@@ -329,6 +329,19 @@ def onednn_serves(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles (Intel Sapphire Rapids and later), which
+    oneDNN's bfloat16 GEMM uses by itself. There oneDNN's pre-packed product beats epd's few-row
+    kernel (``DecodeLinear``, ``vdpbf16ps`` on AVX-512 registers) from 8 rows up, 13x at 2,048 rows
+    (a prefill chunk in an aggregated step), while the few-row kernel stays ahead at 1-4 rows:
+    docs/BENCHMARKS.md, "A CPU with AMX"."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch's own CPUID check
+    try:
+        return bool(probe is not None and probe()) and onednn_serves(torch.bfloat16)
+    except RuntimeError:
+        return False
+
+
 def linear_maker(device: torch.device, dtype: torch.dtype):
     """What replaces an ``nn.Linear`` on this device and dtype: ``PackedLinear`` (oneDNN,
     pre-packed) where oneDNN serves the dtype; for bfloat16 where it does not, ``DecodeLinear``

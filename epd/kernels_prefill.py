@@ -227,7 +227,8 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     rather than in the first request). Elsewhere it keeps what it was built with. float32, the
     exactness mode, keeps transformers' SDPA: there the two ran within noise of each other on a
     loaded machine (0.90x and 1.03x in two runs), while in bfloat16 ``vision_attention`` won every
-    run (0.87-0.90x the whole tower; docs/BENCHMARKS.md)."""
+    run (0.87-0.90x the whole tower; docs/BENCHMARKS.md) on AVX-512 without AMX. bfloat16 on a CPU
+    with AMX (``kernels.amx_bf16``) keeps SDPA too: its fused kernel runs on the tiles, 4x faster."""
     weight = next(vision.parameters())
     if weight.device.type != "cpu":
         return False
@@ -238,6 +239,10 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
         vision.patch_embed.proj = PatchProjection(proj)
     fuse_mlp_activations(vision)
     if weight.dtype == torch.float32 or not available():
+        return False
+    if weight.dtype == torch.bfloat16 and kernels.amx_bf16():
+        # torch's fused SDPA kernel multiplies on AMX tiles there: 5.8 ms a layer of a 448x448
+        # image against 24.5 for the float32 products (one thread; docs/BENCHMARKS.md, "A CPU with AMX")
         return False
     from transformers import AttentionInterface
 

@@ -147,17 +147,17 @@ class TextModelRunner:
                         few_rows: bool | None = None) -> None:
         """Every projection, MLP and (``head``) the LM head through oneDNN with pre-packed weights
         (measured 1.5-3.6x faster than ATen's MKL GEMM here, docs/bench/kernels.md), or, for
-        ``decode`` with ``few_rows`` (default: unless ``EPD_DECODE_LINEAR=0`` in the environment),
-        through epd's few-row kernel where it is built (``kernels.DecodeLinear``: built with
-        OpenMP, its threads claiming tasks from a shared counter, it beat oneDNN on whole bfloat16
-        decode steps at batch 1 and 8, and at 256 rows it is level, docs/BENCHMARKS.md).
+        ``decode`` with ``few_rows`` (default: ``decode_linear_default``), through epd's few-row
+        kernel where it is built (``kernels.DecodeLinear``: built with OpenMP, its threads claiming
+        tasks from a shared counter, it beat oneDNN on whole bfloat16 decode steps at batch 1 and 8
+        on AVX-512 without AMX, and at 256 rows it is level, docs/BENCHMARKS.md).
         For ``decode`` (unless ``merge=False``) the projections that read the same input first
         become one product each (``merge_projections``; measured on decode steps only, so prefill
         keeps them apart). The LM head is packed as a copy: its tied embedding table still needs
         the dense layout for lookups. A tensor-parallel shard passes ``head=False`` (its head is
         the rank's vocabulary rows, ``VocabParallelHead``)."""
         if few_rows is None:
-            few_rows = os.environ.get(DECODE_LINEAR_ENV, "1").strip() != "0"
+            few_rows = decode_linear_default(self.dtype)
         make = _linear_maker(self.dtype, decode and few_rows)
         if decode if merge is None else merge:
             merge_projections(self.model, make)
@@ -475,8 +475,20 @@ def _add_norm(x: torch.Tensor | None, residual: torch.Tensor, norm: torch.nn.Mod
 
 
 DECODE_LINEAR_ENV = "EPD_DECODE_LINEAR"
-"""``0``: a decode runner's linear layers use oneDNN's pre-packed GEMM instead of ``kernels.DecodeLinear``
-(the default where the kernel is built)."""
+"""``0``: a decode runner's linear layers use oneDNN's pre-packed GEMM instead of ``kernels.DecodeLinear``;
+``1``: the few-row kernel whatever the CPU; unset: ``decode_linear_default``."""
+
+
+def decode_linear_default(dtype: torch.dtype) -> bool:
+    """Whether a decode runner's linear layers go on epd's few-row kernel (``kernels.DecodeLinear``)
+    rather than oneDNN: ``EPD_DECODE_LINEAR`` when it says ``0`` or ``1``; otherwise yes, except
+    for bfloat16 on a CPU with AMX (``kernels.amx_bf16``), where oneDNN's tiles run a decode step of
+    8 rows or more, and every prefill chunk an aggregated step carries, faster
+    (docs/BENCHMARKS.md, "A CPU with AMX")."""
+    setting = os.environ.get(DECODE_LINEAR_ENV, "").strip()
+    if setting in ("0", "1"):
+        return setting == "1"
+    return not (dtype == torch.bfloat16 and kernels.amx_bf16())
 
 
 def _linear_maker(dtype: torch.dtype, few_rows: bool):

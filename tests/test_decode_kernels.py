@@ -292,6 +292,38 @@ def test_by_default_a_decode_runner_merges_onto_the_few_row_kernel(tiny_model_di
     assert not [m for m in prefill.model.modules() if isinstance(m, kernels.DecodeLinear)]
 
 
+@pytest.mark.skipif(not kernels.onednn_serves(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
+def test_on_a_cpu_with_amx_a_bfloat16_decode_runner_stays_on_onednn(tiny_model_dir, ops, monkeypatch):
+    """AMX tiles make oneDNN's bfloat16 product faster than the few-row kernel from 8 rows up:
+    there a bfloat16 decode runner keeps oneDNN, float32 (no AMX tiles for it) the few-row kernel,
+    and ``EPD_DECODE_LINEAR`` still decides when it says 0 or 1."""
+    monkeypatch.delenv(lm.DECODE_LINEAR_ENV, raising=False)
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: True)
+    runner = TextModelRunner.load(tiny_model_dir, dtype="bfloat16", decode=True)
+    assert not [m for m in runner.model.modules() if isinstance(m, kernels.DecodeLinear)]
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj.linear, kernels.PackedLinear)
+    assert isinstance(runner.lm_head, kernels.PackedLinear)
+    assert lm.decode_linear_default(torch.float32)
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
+    assert lm.decode_linear_default(torch.bfloat16)
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: False)
+    monkeypatch.delenv(lm.DECODE_LINEAR_ENV)
+    assert lm.decode_linear_default(torch.bfloat16)
+    monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "0")
+    assert not lm.decode_linear_default(torch.float32)
+
+
+def test_amx_is_what_the_cpu_says():
+    """``kernels.amx_bf16`` agrees with the kernel's CPU flags (where oneDNN serves bfloat16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags here")
+    assert kernels.amx_bf16() == ("amx_bf16" in flags and "amx_tile" in flags
+                                  and kernels.onednn_serves(torch.bfloat16))
+
+
 def test_epd_decode_linear_0_puts_a_decode_runner_back_on_onednn(tiny_model_dir, ops, monkeypatch):
     monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "0")
     runner = TextModelRunner.load(tiny_model_dir, decode=True)

@@ -131,16 +131,20 @@ def test_vision_attention_matches_sdpa(dtype, blocks, monkeypatch):
     torch.testing.assert_close(ours.float(), expected.transpose(1, 2), rtol=0, atol=tolerance)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_the_vision_tower_with_it_matches_sdpa(tiny_model_dir, dtype):
+def test_the_vision_tower_with_it_matches_sdpa(tiny_model_dir, dtype, amx, monkeypatch):
+    """bfloat16 takes ``vision_attention`` where the operator is built, except on a CPU with AMX,
+    whose tiles run SDPA's own fused kernel faster (as if this CPU had them or not)."""
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: amx)
     vision = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype)
     grid = torch.tensor([[1, 4, 4], [1, 4, 8]])  # two images: attention stays within each
     pixels = torch.randn(48, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0)).to(dtype)
     expected = vision(pixels, grid_thw=grid).pooler_output
     attention = vision.config._attn_implementation
     # float32 (the exactness mode) keeps transformers' SDPA; the patch embedding is a GEMM in both
-    ours = dtype != torch.float32 and kernels_prefill.available()  # without the operator SDPA stays
+    ours = dtype != torch.float32 and kernels_prefill.available() and not amx  # without the operator SDPA stays
     assert kernels_prefill.use_for_vision(vision) == ours
     assert vision.config._attn_implementation == (kernels_prefill.ATTENTION if ours else attention)
     assert isinstance(vision.patch_embed.proj, kernels_prefill.PatchProjection)
@@ -234,6 +238,24 @@ def test_fused_chunk_rule_continues_across_calls_and_without_l2norm():
     expected, _ = kernels.chunk_gated_delta_rule(*unnormed, value, g, beta, chunk_size=16)
     assert none is None
     torch.testing.assert_close(ours, expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_decay_strong_enough_for_subnormals_matches_and_leaves_the_threads_float_mode_alone(dtype):
+    """Decays of e^-6 a token make e^cum subnormal within a 64-token chunk, which the fused rule
+    flushes to zero (the CPU's FTZ/DAZ modes while it runs): the results still match the torch
+    path, and the calling thread keeps subnormal arithmetic afterwards (its mode restored)."""
+    query, key, value, _, beta, state = _gdn_case(130, 2, 4, 32, dtype, seed=7)
+    g = torch.full((1, 130, 4), -6.0)
+    kwargs = dict(chunk_size=64, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours, ours_state = kernels_prefill.chunk_gated_delta_rule(query, key, value, g, beta, **kwargs)
+    expected, expected_state = kernels.chunk_gated_delta_rule(query, key, value, g, beta, **kwargs)
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(ours_state, expected_state, rtol=1e-5, atol=2e-6)
+    tiny = torch.tensor([1e-39])  # subnormal in float32
+    assert float(tiny * 0.5) > 0 and float(tiny + 0.0) == pytest.approx(1e-39, rel=1e-3)
 
 
 def test_the_fused_rule_refuses_inputs_it_does_not_serve():

@@ -13,8 +13,14 @@
 // per-chunk slices) are gone; the matrix products are small register-blocked AVX-512 loops.
 //
 // Rounding: float32 throughout (as the torch path), the output rounded once to the input dtype.
-// In float32 the results differ from the torch path only by the order of float32 sums and by
-// exp's last bit (Cephes' polynomial against Sleef's).
+// In float32 the results differ from the torch path only by the order of float32 sums, by
+// exp's last bit (Cephes' polynomial against Sleef's), and by subnormal values (below ~1.2e-38)
+// taken as zero: each thread runs its heads with the CPU's flush-to-zero and denormals-are-zero
+// modes on (FlushSubnormals). A strong decay makes e^cum subnormal within a chunk, and Intel
+// cores take a microcode assist on every such operand: the rule took 80 ms a layer for a
+// 247-token prompt on a Xeon with them against 5.5 ms for inputs without (docs/BENCHMARKS.md,
+// "A CPU with AMX"). Such a value is ~2^-126 of its normal-sized neighbours, far below any
+// output's last bit, so nothing a token depends on moves.
 //
 // Registered as torch.ops.epd_gdn_chunk.chunk_rule (TORCH_LIBRARY, no pybind11). Built at first
 // use by epd/kernels_prefill.py through epd/fused.py's compile_library.
@@ -29,6 +35,9 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
 #endif
 
 #include <algorithm>
@@ -252,6 +261,16 @@ View view_of(const at::Tensor& x) {  // [B, T, H(, D)]
   return {x.stride(0), x.stride(1), x.stride(2)};
 }
 
+// The calling thread's MXCSR with flush-to-zero (bit 15) and denormals-are-zero (bit 6) set for
+// the guard's lifetime, then restored: the thread may be a torch worker that runs other code next.
+struct FlushSubnormals {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned int saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
+
 template <typename T, typename B>
 void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& g,
          const at::Tensor& beta, const at::Tensor& state, const at::Tensor& out, const Shapes& s) {
@@ -266,6 +285,7 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   T* op = out.data_ptr<T>();
   float* sp = state.data_ptr<float>();
   at::parallel_for(0, batch * s.v_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals flush;
     Workspace ws(s);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.v_heads, h = task % s.v_heads;
