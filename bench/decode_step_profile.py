@@ -1,11 +1,12 @@
 """One batched decode step in a loop, for profilers: ``python -m bench.decode_step_profile MODEL
 [--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]
-[--linears decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]``.
+[--linears replica|decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]``.
 
 The runner is loaded as a decode replica loads it (merged projections, the fused
-residual add + RMSNorm, the full-attention step in two calls); ``--linears decode`` puts the
-linear layers on epd's few-row kernel (a decode replica's default; this tool's is oneDNN), the other options turn each
-part off, to measure what each is worth.
+residual add + RMSNorm, the full-attention step in two calls); ``--linears`` puts the linear
+layers where a decode replica puts them on this CPU and dtype (``replica``, the default:
+``lm.decode_linear_default``), on epd's few-row kernel (``decode``) or on oneDNN (``onednn``); the
+other options turn each part off, to measure what each is worth.
 
 Prints the median wall and CPU time of a step (after 3 warm-up steps), and how long the process's
 threads waited for a core a step on average (ready to run while other processes held the cores:
@@ -53,14 +54,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--table", action="store_true", help="print torch's profiler table for 5 more steps")
-    parser.add_argument("--linears", choices=["decode", "onednn"], default="onednn",
-                        help="decode: epd's few-row kernel (a replica's default; EPD_DECODE_LINEAR=0 there: onednn)")
+    parser.add_argument("--linears", choices=["replica", "decode", "onednn"], default="replica",
+                        help="replica: what a decode replica picks here (lm.decode_linear_default); decode: epd's "
+                             "few-row kernel; onednn: oneDNN's pre-packed GEMM")
     parser.add_argument("--no-merge", dest="merge", action="store_false")
     parser.add_argument("--no-fused-norms", dest="fused_norms", action="store_false")
     parser.add_argument("--no-paged-attention", dest="paged_attention", action="store_false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = TextModelRunner.load(args.model, dtype=args.dtype, prepack=False)
+    if args.linears == "replica":
+        args.linears = "decode" if lm.decode_linear_default(runner.dtype) else "onednn"
     runner.prepack_linears(decode=True, merge=args.merge, few_rows=args.linears == "decode")
     if not args.fused_norms:
         runner._fused_norms = lambda hidden: False

@@ -7,7 +7,7 @@ server, the model roles' servers) share the cores with the forwards. This starts
 in the default one-machine shape (aggregated prefill+decode, ``--dtype`` everywhere; the launcher
 that ``epd serve`` uses, ``control.local.LocalStack``), leaves it idle, and runs
 ``bench.decode_step_profile`` (a separate process, one batched decode step in a loop; its arguments
-after ``--``, by default 16 rows of 300 tokens on 2 threads with epd's few-row kernel) twice a
+after ``--``, by default 16 rows of 300 tokens on 2 threads, the linear layers where a replica puts them) twice a
 round: once with the stack running, once with every process of the stack stopped (SIGSTOP; SIGCONT
 after). Rounds alternate the two so the machine's drift falls on both. Prints each run's median
 step and how long the profile's threads waited for a core a step (ready to run while another
@@ -36,7 +36,7 @@ import time
 import psutil
 
 STEP = re.compile(r"step median ([0-9.]+) ms wall, ([0-9.]+) ms CPU, waited for a core ([0-9.]+ ms|-) a step")
-DEFAULT_PROFILE = ["--batch", "16", "--context", "300", "--threads", "2", "--linears", "decode", "--steps", "60"]
+DEFAULT_PROFILE = ["--batch", "16", "--context", "300", "--threads", "2", "--linears", "replica", "--steps", "60"]
 SETTLE_S = 5.0  # after a stop or a resume, before the next run: the stack's timers catch up
 
 
