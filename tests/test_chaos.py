@@ -5,10 +5,10 @@ One `epd serve` with two replicas of every role (encoder replicas, Encoder servi
 decode, routers) on the tiny model, clips cut into chunks of one temporal patch. Four clients send
 requests without pause (fresh and repeated images and video clips, greedy) to both routers while
 the test kills, one after another with pauses: an encoder replica more times than Ray restarts it
-(the first kill while a 40-chunk clip is encoding on it), a prefill worker, a decode worker
-mid-stream (some of its streams answer clips), the embedded redis-server, the controller and the
-registry. Every request must succeed with the tokens transformers' generate gives, and every role
-must be back at its declared count.
+(the first kill while a 40-chunk clip's chunks are queued on it, stopped with SIGSTOP for that),
+a prefill worker, a decode worker mid-stream (some of its streams answer clips), the embedded
+redis-server, the controller and the registry. Every request must succeed with the tokens
+transformers' generate gives, and every role must be back at its declared count.
 
 The figures for docs/RELIABILITY.md come from this test's report: set EPD_CHAOS_REPORT=PATH to
 keep it (JSON), and run with -s to see the table.
@@ -237,11 +237,16 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
 
     def encoder_past_its_restarts() -> str:
         """The first kill lands while a long clip's chunks are queued on the replica (the Encoder
-        services say how many it holds); they go to the other replica and the answer is unchanged."""
-        name = _replica(epd_status(address), "encoder")["name"]
+        services say how many it holds); they go to the other replica and the answer is unchanged.
+        The replica is stopped (SIGSTOP) before the clip is sent, so its share of the chunks waits
+        on it until the kill: running, the tiny model's encoder drains them between two status
+        looks on a fast CPU (an AMX Xeon never showed 13 held in 120 s)."""
+        replica = _replica(epd_status(address), "encoder")
+        name, stopped = replica["name"], psutil.Process(replica["pid"])
         watch = StatusWatch(address)
         try:
             watch.since(0)
+            stopped.suspend()
             clip = threading.Thread(target=load.send, args=("Summarise.", LONG_CLIP, 6), daemon=True)
             clip.start()
             mid_clip.append(clip)
@@ -251,13 +256,17 @@ def test_no_request_fails_while_processes_are_killed(stack, oracle):
                 return next((r["in_flight"] or 0 for r in look["roles"]["encoder"] if r["name"] == name), 0)
 
             _wait_until(lambda: held() >= MID_CLIP_CHUNKS, 120, f"{MID_CLIP_CHUNKS} chunks of the clip on {name}")
+        except BaseException:
+            stopped.resume()  # the rest of the test's faults need it serving
+            raise
         finally:
             watch.close()
         for attempt in range(MAX_RESTARTS + 1):
-            replica = next(r for r in epd_status(address)["roles"]["encoder"] if r["name"] == name)
-            _kill(replica["pid"])
+            pid = stopped.pid if attempt == 0 else \
+                next(r for r in epd_status(address)["roles"]["encoder"] if r["name"] == name)["pid"]
+            _kill(pid)
             if attempt < MAX_RESTARTS:  # Ray restarts it: wait for its new process before the next kill
-                _wait_until(lambda: any(r["name"] == name and r["state"] == "serving" and r["pid"] != replica["pid"]
+                _wait_until(lambda: any(r["name"] == name and r["state"] == "serving" and r["pid"] != pid
                                         for r in epd_status(address)["roles"]["encoder"]), 120,
                             f"{name} restarted by Ray")
         return f"{name} killed {MAX_RESTARTS + 1} times, the first with a 40-chunk clip on it"
