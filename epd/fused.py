@@ -203,6 +203,12 @@ def decode_ops() -> bool:
     return bool(_state["decode"])
 
 
+def decode_tiles() -> bool:
+    """Whether the few-row kernel multiplies bfloat16 products of 5 rows or more on AMX tiles in
+    this process (a CPU with AMX, a build with the path, ``EPD_DECODE_AMX`` not ``0``)."""
+    return decode_ops() and bool(torch.ops.epd_decode.tiles())
+
+
 def _load_decode_ops() -> bool:
     try:
         if "decode_loaded" not in _state:

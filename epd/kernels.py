@@ -331,10 +331,10 @@ def onednn_serves(dtype: torch.dtype) -> bool:
 
 def amx_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 on AMX tiles (Intel Sapphire Rapids and later), which
-    oneDNN's bfloat16 GEMM uses by itself. There oneDNN's pre-packed product beats epd's few-row
-    kernel (``DecodeLinear``, ``vdpbf16ps`` on AVX-512 registers) from 8 rows up, 13x at 2,048 rows
-    (a prefill chunk in an aggregated step), while the few-row kernel stays ahead at 1-4 rows:
-    docs/BENCHMARKS.md, "A CPU with AMX"."""
+    oneDNN's bfloat16 GEMM uses by itself. There oneDNN's pre-packed product beats the few-row
+    kernel's AVX-512 registers (``vdpbf16ps``) from 8 rows up, 13x at 2,048 rows (a prefill chunk
+    in an aggregated step), so the kernel has a tile path of its own (``fused.decode_tiles``), and
+    the vision tower keeps SDPA: docs/BENCHMARKS.md, "A CPU with AMX"."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch's own CPUID check
     try:
         return bool(probe is not None and probe()) and onednn_serves(torch.bfloat16)
@@ -397,7 +397,8 @@ class DecodeLinear(torch.nn.Module):
     against oneDNN's 112.3/110.5, 130.9/120.6 against 150.3/154.9 with other processes taking a
     fifth of the cores; at 256 rows it is level with oneDNN product by product
     (docs/BENCHMARKS.md, "The few-row kernel as the default"). A decode runner uses it unless
-    ``EPD_DECODE_LINEAR=0``. Any number of rows is correct (8 at a time over the same panels).
+    ``EPD_DECODE_LINEAR=0``. Any number of rows is correct (8 at a time over the same panels; on
+    a CPU with AMX, bfloat16 products of 5 rows or more on the tiles, ``fused.decode_tiles``).
     On a CPU without AVX-512 BF16 it is also every bfloat16 runner's and the vision tower's
     linear layer (``linear_maker``): there oneDNN has no bfloat16 kernels. Needs
     ``fused.decode_ops()``.

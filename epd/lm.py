@@ -482,13 +482,16 @@ DECODE_LINEAR_ENV = "EPD_DECODE_LINEAR"
 def decode_linear_default(dtype: torch.dtype) -> bool:
     """Whether a decode runner's linear layers go on epd's few-row kernel (``kernels.DecodeLinear``)
     rather than oneDNN: ``EPD_DECODE_LINEAR`` when it says ``0`` or ``1``; otherwise yes, except
-    for bfloat16 on a CPU with AMX (``kernels.amx_bf16``), where oneDNN's tiles run a decode step of
-    8 rows or more, and every prefill chunk an aggregated step carries, faster
-    (docs/BENCHMARKS.md, "A CPU with AMX")."""
+    for bfloat16 on a CPU with AMX (``kernels.amx_bf16``) where the kernel's build has no tile path
+    (``fused.decode_tiles``): there oneDNN's tiles run a decode step of 8 rows or more, and every
+    prefill chunk an aggregated step carries, faster than its registers (docs/BENCHMARKS.md, "A CPU
+    with AMX")."""
     setting = os.environ.get(DECODE_LINEAR_ENV, "").strip()
     if setting in ("0", "1"):
         return setting == "1"
-    return not (dtype == torch.bfloat16 and kernels.amx_bf16())
+    if dtype == torch.bfloat16 and kernels.amx_bf16():
+        return fused.decode_tiles()
+    return True
 
 
 def _linear_maker(dtype: torch.dtype, few_rows: bool):

@@ -294,15 +294,20 @@ def test_by_default_a_decode_runner_merges_onto_the_few_row_kernel(tiny_model_di
 
 @pytest.mark.skipif(not kernels.onednn_serves(torch.bfloat16), reason="oneDNN has no bfloat16 kernels on this CPU")
 def test_on_a_cpu_with_amx_a_bfloat16_decode_runner_stays_on_onednn(tiny_model_dir, ops, monkeypatch):
-    """AMX tiles make oneDNN's bfloat16 product faster than the few-row kernel from 8 rows up:
-    there a bfloat16 decode runner keeps oneDNN, float32 (no AMX tiles for it) the few-row kernel,
-    and ``EPD_DECODE_LINEAR`` still decides when it says 0 or 1."""
+    """AMX tiles make oneDNN's bfloat16 product faster than the few-row kernel's registers from 8
+    rows up: on such a CPU a bfloat16 decode runner keeps oneDNN unless the kernel's build has its
+    own tile path; float32 (no AMX tiles for it) keeps the few-row kernel, and
+    ``EPD_DECODE_LINEAR`` still decides when it says 0 or 1."""
     monkeypatch.delenv(lm.DECODE_LINEAR_ENV, raising=False)
     monkeypatch.setattr(kernels, "amx_bf16", lambda: True)
+    monkeypatch.setattr(fused, "decode_tiles", lambda: False)  # a build without the tile path
     runner = TextModelRunner.load(tiny_model_dir, dtype="bfloat16", decode=True)
     assert not [m for m in runner.model.modules() if isinstance(m, kernels.DecodeLinear)]
     assert isinstance(runner.model.layers[0].mlp.gate_up_proj.linear, kernels.PackedLinear)
     assert isinstance(runner.lm_head, kernels.PackedLinear)
+    monkeypatch.setattr(fused, "decode_tiles", lambda: True)  # with it, the few-row kernel stays
+    assert lm.decode_linear_default(torch.bfloat16)
+    monkeypatch.setattr(fused, "decode_tiles", lambda: False)
     assert lm.decode_linear_default(torch.float32)
     monkeypatch.setenv(lm.DECODE_LINEAR_ENV, "1")
     assert lm.decode_linear_default(torch.bfloat16)
@@ -385,6 +390,28 @@ def test_greedy_rows_is_the_first_maximum_and_the_finite_check(vocab, ops):
     wide = torch.randn(3, vocab + 5, generator=gen)
     index, finite = kernels.greedy_rows(wide[:, :vocab])
     assert index.tolist() == wide[:, :vocab].argmax(dim=-1).tolist() and finite.all()
+
+
+@pytest.mark.parametrize("rows", [5, 16, 17, 33, 600])
+def test_the_amx_tile_paths_match_f_linear(rows, ops):
+    """On a CPU with AMX the few-row kernel multiplies bfloat16 of 5 rows or more on the tiles:
+    one tile of rows over four panels (5-16 rows), or 32 rows x 2 panels in tasks of 512 rows x 8
+    panels, the last block's rows from a zero-padded copy (17 rows and more). Rows strided as a
+    merged projection's views are, a width that is not a multiple of 16 columns, a bias; ``tiles``
+    says whether this build runs them (EPD_DECODE_AMX=0, or no AMX: the register path)."""
+    if not torch.ops.epd_decode.tiles():
+        pytest.skip("no AMX tiles in this build or process")
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(150, 96, generator=gen) * 0.1).to(torch.bfloat16)  # 10 panels, 3 k steps of 32
+    bias = torch.randn(150, generator=gen)
+    wide = torch.randn(rows, 130, generator=gen).to(torch.bfloat16)
+    x = wide[:, 7:103]  # rows 130 apart, each contiguous
+    for layer, b in ((kernels.DecodeLinear(weight), None), (kernels.DecodeLinear(weight, bias), bias)):
+        want = F.linear(x.float(), weight.float(), b)
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 150)
+        _close(got, want, torch.bfloat16, inputs=96)
+        assert torch.equal(layer.forward_float(x), got.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

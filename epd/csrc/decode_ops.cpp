@@ -18,6 +18,9 @@
 // the end (nearest even), as oneDNN's bf16 GEMM does; only the order of the float32 sums differs
 // from oneDNN or ATen. The float32 path is fused multiply-adds, k ascending per column.
 //
+// On a CPU with AMX the AVX-512 build also multiplies bfloat16 products of 5 rows or more on the
+// tiles (EPD_DECODE_AMX below): the panels are already the tiles' B layout.
+//
 // Two instruction sets, chosen at build time (the build is -march=native, one per CPU): AVX-512
 // with BF16 (above), or AVX2 + FMA on CPUs without them (AMD Zen 2/3, Intel before Cooper Lake).
 // AVX2 has no bfloat16 arithmetic, and there ATen's and oneDNN's bfloat16 products fall back to
@@ -52,15 +55,23 @@
 #error "epd_decode needs AVX2 and FMA, or AVX-512 with BF16"
 #endif
 
+#if defined(EPD_DECODE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define EPD_DECODE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -228,6 +239,240 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
   // one claimant per thread of the team (at::parallel_for over [0, workers) hands each one index)
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
 }
+
+#ifdef EPD_DECODE_AMX
+// ---- AMX tiles (Intel Sapphire Rapids and later; the build is -march=native): bfloat16 products
+// of 5 rows or more. A panel's bfloat16 layout [K/2][16][2] is a tile's B operand as it is: 16
+// pairs of k for the panel's 16 columns are one 1 KiB tile, 64 bytes a row. TDPBF16PS sums
+// bf16 x bf16 products in float32 like vdpbf16ps (results differ from the register path only by the
+// order of the sums). Why: the register path's vdpbf16ps work caps it at ~200 GFLOP/s on two cores,
+// below the memory's rate from 8 rows up and 13x below oneDNN's tiles at a 2,048-row prefill chunk;
+// the tiles keep a decode step's 5-32 rows at the memory's rate and bring prefill chunks near
+// oneDNN while the threads keep claiming tasks from a counter (docs/BENCHMARKS.md, "A CPU with
+// AMX"). 1-4 rows stay on the register path, which already streams at the memory's rate.
+constexpr int64_t kAmxMinRows = 5;
+constexpr int64_t kAmxChunkRows = 512;  // rows of x a wide task reads (1 MiB of a 1,024-wide x: L2)
+constexpr int64_t kAmxGroupPanels = 8;  // panels a wide task multiplies them by
+
+// Linux grants a process the tiles' state on request (5.16+); once per process. EPD_DECODE_AMX=0
+// turns the paths off (the register path runs every row count, as on a CPU without AMX).
+bool amx_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("EPD_DECODE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return on;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 hold float32 sums, 4-5 rows of x, 6-7 the weight; sums and x tiles have `rows` rows.
+inline void configure_tiles(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12 does not count ldtilecfg as reading the struct and drops the stores above (the CPU then
+  // faults on the half-written configuration): the barrier keeps them
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// `rows` rows of one tile's sums (16 columns of panel starting at `col`) plus the bias, stored.
+template <typename E>
+inline void store_sums(const float (*sums)[16], int64_t rows, const float* bias, typename E::O* out, int64_t ldo,
+                       int64_t col, int64_t n) {
+  const int64_t valid = std::min<int64_t>(kPanel, n - col);
+  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) E::store(out + r * ldo + col, _mm512_add_ps(_mm512_load_ps(sums[r]), b), mask);
+}
+
+// One claimant per thread of the team runs `run` (tiles configured for `rows`, released after).
+template <typename F>
+void on_team_with_tiles(int64_t tasks, int rows, F&& run) {
+  auto body = [&]() {
+    configure_tiles(rows);
+    run();
+    _tile_release();  // a thread holding tile state makes each of its context switches save 8 KiB
+  };
+  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
+  if (workers <= 1 || at::in_parallel_region()) {
+    body();
+    return;
+  }
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(); });
+}
+
+// 5-16 rows: one x tile, four panels at a time (sums in tiles 0-3, the weight through tiles 6 and
+// 7 in turn), tasks of >= 64 KiB of weight claimed from a counter as the register path's, each
+// weight line prefetched kPrefetchBytes ahead into L2.
+template <typename E>
+void linear_amx_few(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  using T = typename E::T;
+  const int64_t m = x.size(0), panels = packed.size(0), k = packed.size(1) * 2;
+  const int64_t panel_stride = k * kPanel, panel_bytes = panel_stride * static_cast<int64_t>(sizeof(T));
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  typename E::O* op = out.data_ptr<typename E::O>();
+  const int64_t ldx_bytes = x.stride(0) * static_cast<int64_t>(sizeof(T)), ldo = out.stride(0);
+  const int64_t grain = std::max<int64_t>(4, (64 << 10) / panel_bytes);
+  const int64_t tasks = (panels + grain - 1) / grain;
+  std::atomic<int64_t> next{0};
+  on_team_with_tiles(tasks, static_cast<int>(m), [&]() {
+    alignas(64) float sums[4][16][16];
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t end = std::min(panels, (task + 1) * grain);
+      for (int64_t p = task * grain; p < end; p += 4) {
+        const int64_t width = std::min<int64_t>(4, end - p);
+        const T* w = wp + p * panel_stride;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < k / 32; ++s) {
+          const T* b = w + s * 512;  // this k step's tile of each panel: 16 pairs x 16 columns
+          for (int64_t j = 0; j < width; ++j)
+            for (int64_t line = 0; line < 16; ++line)
+              _mm_prefetch(reinterpret_cast<const char*>(b + j * panel_stride + line * 32) + kPrefetchBytes,
+                           _MM_HINT_T1);
+          _tile_loadd(4, xp + s * 32, ldx_bytes);
+          _tile_loadd(6, b, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (width > 1) {
+            _tile_loadd(7, b + panel_stride, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (width > 2) {
+            _tile_loadd(6, b + 2 * panel_stride, 64);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+          if (width > 3) {
+            _tile_loadd(7, b + 3 * panel_stride, 64);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+        }
+        _tile_stored(0, sums[0], 64);
+        if (width > 1) _tile_stored(1, sums[1], 64);
+        if (width > 2) _tile_stored(2, sums[2], 64);
+        if (width > 3) _tile_stored(3, sums[3], 64);
+        for (int64_t j = 0; j < width; ++j) store_sums<E>(sums[j], m, bias, op, ldo, (p + j) * kPanel, n);
+      }
+    }
+  });
+}
+
+// 17 rows or more (prefill chunks): tasks of (kAmxChunkRows rows, kAmxGroupPanels panels),
+// row-chunk-major, each 32 rows x 2 panels at a time (2 x tiles, 2 weight tiles, 4 sums). A last
+// block of fewer than 32 rows reads them from a zero-padded copy (tile loads read whole rows).
+template <typename E>
+void linear_amx_wide(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  using T = typename E::T;
+  const int64_t m = x.size(0), panels = packed.size(0), k = packed.size(1) * 2;
+  const int64_t panel_stride = k * kPanel;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  typename E::O* op = out.data_ptr<typename E::O>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t full = m / 32 * 32;
+  std::vector<T> tail;  // the last m - full rows, zero-padded to 32
+  if (full < m) {
+    tail.assign(32 * k, T(0.f));
+    for (int64_t r = full; r < m; ++r) std::memcpy(tail.data() + (r - full) * k, xp + r * ldx, k * sizeof(T));
+  }
+  const int64_t blocks = (m + 31) / 32;
+  const int64_t chunk_blocks = kAmxChunkRows / 32;
+  const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
+  const int64_t groups = (panels + kAmxGroupPanels - 1) / kAmxGroupPanels;
+  const int64_t tasks = chunks * groups;
+  std::atomic<int64_t> next{0};
+  on_team_with_tiles(tasks, 16, [&]() {
+    alignas(64) float sums[4][16][16];
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t chunk = task / groups, group = task % groups;
+      const int64_t block_end = std::min(blocks, (chunk + 1) * chunk_blocks);
+      const int64_t panel_end = std::min(panels, (group + 1) * kAmxGroupPanels);
+      for (int64_t p = group * kAmxGroupPanels; p < panel_end; p += 2) {
+        const bool pair = p + 1 < panel_end;
+        const T* w0 = wp + p * panel_stride;
+        const T* w1 = w0 + panel_stride;
+        for (int64_t block = chunk * chunk_blocks; block < block_end; ++block) {
+          const int64_t r0 = block * 32;
+          const bool padded = r0 >= full;
+          const T* a0 = padded ? tail.data() : xp + r0 * ldx;
+          const int64_t lda_bytes = (padded ? k : ldx) * static_cast<int64_t>(sizeof(T));
+          const T* a1 = a0 + 16 * (padded ? k : ldx);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t s = 0; s < k / 32; ++s) {
+            _tile_loadd(4, a0 + s * 32, lda_bytes);
+            _tile_loadd(5, a1 + s * 32, lda_bytes);
+            _tile_loadd(6, w0 + s * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (pair) {
+              _tile_loadd(7, w1 + s * 512, 64);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(2, sums[2], 64);
+          if (pair) {
+            _tile_stored(1, sums[1], 64);
+            _tile_stored(3, sums[3], 64);
+          }
+          const int64_t rows = std::min<int64_t>(32, m - r0);
+          for (int64_t j = 0; j < (pair ? 2 : 1); ++j) {
+            const int64_t col = (p + j) * kPanel;
+            store_sums<E>(sums[j], std::min<int64_t>(16, rows), bias, op + r0 * ldo, ldo, col, n);
+            if (rows > 16) store_sums<E>(sums[2 + j], rows - 16, bias, op + (r0 + 16) * ldo, ldo, col, n);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Whether the tiles take this bfloat16 product: enough rows, whole 32-wide k steps, tiles granted.
+inline bool amx_takes(const at::Tensor& x, const at::Tensor& packed) {
+  return x.size(0) >= kAmxMinRows && packed.size(1) % 16 == 0 && amx_enabled();
+}
+
+template <typename E>
+void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  if (amx_takes(x, packed)) {
+    if (x.size(0) <= 16)
+      linear_amx_few<E>(x, packed, bias, n, out);
+    else
+      linear_amx_wide<E>(x, packed, bias, n, out);
+    return;
+  }
+  linear_impl<E>(x, packed, bias, n, out);
+}
+#else
+template <typename E>
+void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+  linear_impl<E>(x, packed, bias, n, out);
+}
+#endif  // EPD_DECODE_AMX
 
 #endif  // EPD_DECODE_AVX512
 
@@ -457,7 +702,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #ifdef EPD_DECODE_AVX512
   if (bf16)
-    linear_impl<BF16>(x, packed, b, n, out);
+    linear_bf16<BF16>(x, packed, b, n, out);
   else
     linear_impl<F32>(x, packed, b, n, out);
 #else
@@ -483,7 +728,7 @@ at::Tensor linear_float(const at::Tensor& x, const at::Tensor& packed, int64_t n
   if (x.scalar_type() == at::kBFloat16) {
     const float* b = check_linear(x, packed, n, bias);
     at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-    if (x.size(0) > 0) linear_impl<BF16ToF32>(x, packed, b, n, out);
+    if (x.size(0) > 0) linear_bf16<BF16ToF32>(x, packed, b, n, out);
     return out;
   }
 #endif
@@ -974,7 +1219,17 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
 
 }  // namespace
 
+// Whether bfloat16 products of 5 rows or more run on AMX tiles in this build and process.
+bool tiles() {
+#ifdef EPD_DECODE_AMX
+  return amx_enabled();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(epd_decode, m) {
+  m.def("tiles() -> bool", &tiles);
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
