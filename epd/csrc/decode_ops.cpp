@@ -456,8 +456,12 @@ inline bool amx_takes(const at::Tensor& x, const at::Tensor& packed) {
   return x.size(0) >= kAmxMinRows && packed.size(1) % 16 == 0 && amx_enabled();
 }
 
+#endif  // EPD_DECODE_AMX
+
+// A bfloat16 product: on the tiles where they take it, otherwise on the registers.
 template <typename E>
 void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
+#ifdef EPD_DECODE_AMX
   if (amx_takes(x, packed)) {
     if (x.size(0) <= 16)
       linear_amx_few<E>(x, packed, bias, n, out);
@@ -465,14 +469,9 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const float* bia
       linear_amx_wide<E>(x, packed, bias, n, out);
     return;
   }
+#endif
   linear_impl<E>(x, packed, bias, n, out);
 }
-#else
-template <typename E>
-void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& out) {
-  linear_impl<E>(x, packed, bias, n, out);
-}
-#endif  // EPD_DECODE_AMX
 
 #endif  // EPD_DECODE_AVX512
 
