@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import re
 from dataclasses import replace
 
 import ray
 
 from control.fleet import unplaced
-from epd import discovery, rpc
-from epd.config import ROLES, TP_ROLES, DeployConfig, ServeConfig
+from epd import allocator, discovery, logs, rpc
+from epd.config import MODEL_ROLES, ROLES, TP_ROLES, DeployConfig, ServeConfig
 
 log = logging.getLogger("control.controller")  # the controller's log, whichever of its modules writes
 
@@ -63,6 +64,10 @@ def create(config: DeployConfig, role: str, name: str, registry, serve: ServeCon
     options = {**actor_options, **config.role_resources(role).ray_options(), "name": name,
                "lifetime": "detached", "max_restarts": config.max_restarts, "max_task_retries": 0,
                "scheduling_strategy": reserve_ranks(config, role, name) or "SPREAD"}
+    if role in MODEL_ROLES and (preload := allocator.role_env()):
+        # the job's runtime environment (log settings) plus the allocator, read at the process's start
+        job = logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"), os.environ.get(logs.LEVEL_ENV, "INFO"))
+        options["runtime_env"] = {**job, "env_vars": {**job["env_vars"], **preload}}
     context = discovery.RoleContext(name=name, host=bind_host(config, role), registry=registry,
                                     poll_s=config.poll_s, heartbeat_s=config.heartbeat_s,
                                     refill_grace_s=config.refill_grace_s)

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from bench.synthetic import make_image
-from epd import client, discovery, handoff, rpc
+from epd import allocator, client, discovery, handoff, rpc
 from epd.v1 import epd_pb2_grpc
 from tests.conftest import ServeProcess, epd, epd_status, free_port, ray_address, serving
 
@@ -72,6 +72,16 @@ def test_more_streams_than_any_thread_pool_decode_in_one_batch(single):
     assert failures == [] and len(finished) == 48
     assert max(first_decoded) < min(finished), "some streams only started after others finished (waves)"
     assert _metric(single.decode_metrics, "epd_decode_largest_batch") >= 40
+
+
+def test_model_roles_run_with_jemalloc_and_the_others_with_glibc(single):
+    """epd.allocator: the encoder, prefill and decode replicas' processes start with jemalloc
+    preloaded (their forwards run on threads of their own), the router's without."""
+    if allocator.library() is None or os.environ.get(allocator.ENV) == "0" or os.environ.get("LD_PRELOAD"):
+        pytest.skip("no jemalloc to preload here, or turned off, or another allocator preloaded")
+    roles = epd_status(ray_address(single))["roles"]
+    loaded = {role: allocator.in_use(roles[role][0]["pid"]) for role in ("encoder", "prefill", "decode", "router")}
+    assert loaded == {"encoder": True, "prefill": True, "decode": True, "router": False}
 
 
 def test_clients_that_leave_free_their_work_at_every_stage(single):
