@@ -11,8 +11,8 @@ of its 6.3 s of CPU in the kernel (docs/BENCHMARKS.md, "Where a served W1 wave's
 glibc's own tunables did not help there. jemalloc keeps freed pages for ``dirty_decay_ms`` and
 hands them back after that (an idle replica shrinks again). ``oversize_threshold:0``: jemalloc
 otherwise puts allocations over 8 MiB in an arena of their own that returns them at once, which
-faulted even more than glibc (2 million faults a step; a session before this one measured
-jemalloc's defaults 40% slower for that reason).
+faulted even more than glibc (2 million faults a step; likely why a session before this one
+measured jemalloc with its defaults 40% slower).
 
 ``EPD_JEMALLOC=0`` in the environment of the process that starts the replicas (``epd serve``,
 ``epd deploy``, the controller) keeps glibc's allocator; an ``LD_PRELOAD`` already set there is

@@ -100,7 +100,7 @@ def test_clients_that_leave_free_their_work_at_every_stage(single):
         calls.append((chan, epd_pb2_grpc.RouterStub(chan).Generate(request, timeout=600)))
     # Leave once the router carries all six (a loaded machine can take a while to start the last
     # one: a call cancelled before its handler runs is never the router's) and decode streams one
-    # of them (the others are in prefill or queued for it then).
+    # of them (the rest are in prefill, queued for it, or also decoding then).
     deadline = time.monotonic() + 60
     while _metric(single.metrics["router"], "epd_router_running_requests") < 6 and time.monotonic() < deadline:
         time.sleep(0.1)
