@@ -89,6 +89,20 @@ constexpr int64_t kMaxRows = 8;  // rows per block (more are taken in blocks)
 // threads (docs/BENCHMARKS.md, "The few-row kernel's prefetch").
 constexpr int64_t kPrefetchBytes = 3072;
 
+// `run` once on each of min(tasks, torch's threads) threads of the team, where each claims tasks
+// from a counter of its own until none is left; on this thread alone when one suffices or when
+// called inside a parallel region already.
+template <typename F>
+void on_team(int64_t tasks, F&& run) {
+  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
+  if (workers <= 1 || at::in_parallel_region()) {
+    run();
+    return;
+  }
+  // one claimant per thread of the team (at::parallel_for over [0, workers) hands each one index)
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
+}
+
 #ifdef EPD_DECODE_AVX512
 // ---- element traits: how one k step of a panel is loaded and accumulated
 
@@ -231,13 +245,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
       task = passes ? following : next.fetch_add(1, std::memory_order_relaxed);
     }
   };
-  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
-  if (workers <= 1 || at::in_parallel_region()) {
-    run();
-    return;
-  }
-  // one claimant per thread of the team (at::parallel_for over [0, workers) hands each one index)
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
+  on_team(tasks, run);
 }
 
 #ifdef EPD_DECODE_AMX
@@ -304,17 +312,11 @@ inline void store_sums(const float (*sums)[16], int64_t rows, const float* bias,
 // One claimant per thread of the team runs `run` (tiles configured for `rows`, released after).
 template <typename F>
 void on_team_with_tiles(int64_t tasks, int rows, F&& run) {
-  auto body = [&]() {
+  on_team(tasks, [&]() {
     configure_tiles(rows);
     run();
     _tile_release();  // a thread holding tile state makes each of its context switches save 8 KiB
-  };
-  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
-  if (workers <= 1 || at::in_parallel_region()) {
-    body();
-    return;
-  }
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(); });
+  });
 }
 
 // 5-16 rows: one x tile, four panels at a time (sums in tiles 0-3, the weight through tiles 6 and
@@ -584,12 +586,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bia
       }
     }
   };
-  const int64_t workers = std::min<int64_t>(tasks, at::get_num_threads());
-  if (workers <= 1 || at::in_parallel_region()) {
-    run();
-    return;
-  }
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run(); });
+  on_team(tasks, run);
 }
 #endif  // EPD_DECODE_AVX2
 
