@@ -33,7 +33,7 @@ from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
 from epd.store import Embedding, EmbeddingStore, StoreUnavailable, encode_value
-from epd.tensors import configure_threads, default_device, parse_dtype
+from epd.tensors import configure_threads, default_device, parse_dtype, release_thread_team
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class EncoderEngine:
         self._membership = None
         if context.registry is not None:  # a replica of a deployment: callers find it in the registry
             self._membership = Membership(context)  # callers reach it by its actor name
+        release_thread_team()  # the batcher thread runs the forwards (epd/tensors.py)
 
     def ready(self) -> bool:
         return True

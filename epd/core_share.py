@@ -109,11 +109,10 @@ class CoreShare:
         """Set this thread's torch team to the cores over the roles computing now; returns it."""
         self._probed = time.monotonic()
         threads = max(1, self.cores // (1 + self.busy_others()))
-        if threads != self.threads:
-            import torch  # only role processes get here; the launcher imports this module for ENV
+        from epd.tensors import forward_team  # only role processes get here; the launcher imports this module for ENV
 
-            torch.set_num_threads(threads)
-            self.threads = threads
+        forward_team(threads)  # this thread's team (the others' stay one thread each)
+        self.threads = threads
         return threads
 
     def rebalance(self) -> int:
@@ -193,9 +192,12 @@ def rebalance() -> None:
 @contextlib.contextmanager
 def forward_turn() -> Iterator[None]:
     """One forward, with this process's share of the cores (its full thread count when the
-    host has no core share)."""
+    host has no core share) as the calling thread's team."""
     share = _SHARE
     if share is None:
+        from epd.tensors import forward_team
+
+        forward_team()  # the process's configured team, on whichever thread runs the forward
         yield
         return
     with share.forward():

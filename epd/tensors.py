@@ -6,7 +6,9 @@ and its shape, and is rebuilt with ``torch.frombuffer`` on the other side.
 
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -63,13 +65,17 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence
 
 def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
     """Pin this process to ``cpus`` (a Linux CPU list; empty: leave it where it may run), then set
-    its torch threads: ``num_threads``, or with 0 every core it may run on.
+    its torch threads: ``num_threads``, or with 0 every core it may run on, for its forwards.
 
     Ray starts actors with OMP_NUM_THREADS=1, which would leave a role that has the machine's
     cores to itself on one of them. Co-located roles share cores instead; the launcher sets a
     short GOMP_SPINCOUNT for them so idle OpenMP threads soon sleep rather than spin on a core
     another role needs, and a core share (``epd.core_share``: each forward's team is the cores
     divided by the roles computing then), or each role gets cores of its own (``cpus``).
+
+    Only the forwards compute on the whole team (``forward_team``); every other thread of the
+    process runs its parallel ops alone. The calling thread keeps the team
+    until ``release_thread_team``: it loads the weights.
     """
     import os
 
@@ -87,12 +93,97 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
             except (ProcessLookupError, PermissionError):
                 pass  # a thread that ended meanwhile
     count = num_threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(count)
+    global _FORWARD_THREADS
+    _FORWARD_THREADS = count
+    if _serial_by_default():
+        thread_team(count)
+    else:
+        torch.set_num_threads(count)
     if not num_threads and not cpus:  # every core, shared with the co-located roles: split them by who computes
         from epd import core_share
 
         core_share.enable(count)
     return count
+
+
+# Why one OpenMP team per process: libgomp gives each thread that starts a parallel region a pool
+# of its own threads, and once a process's pools hold more threads than it has cores, every pool
+# spins only 100 times at a barrier before it sleeps (libgomp's "throttled" spin), whatever
+# GOMP_SPINCOUNT says. A served replica held three pools (the thread that loaded the weights, the
+# decode loop's, one more), so its decode step's second thread slept, and was woken, at almost
+# every one of the step's parallel regions. One decode step (8 rows, 300 tokens, 2 threads) beside
+# a thread holding a second pool: 101-103 ms whatever the spin, against 96-97 ms without it at the
+# launcher's GOMP_SPINCOUNT=3000 and 85 ms at 30000; served, the inter-token latency fell 6-7%
+# (docs/BENCHMARKS.md, "One OpenMP pool a process").
+_FORWARD_THREADS = 0  # configure_threads' count: a forward's team (0: not configured, torch's own default)
+_TEAM = threading.local()  # .size: this thread's team as thread_team set it
+_OPENMP: list = []  # [libgomp, MKL's per-thread setter or None] once looked for; [None, None] where not libgomp
+
+
+def _openmp() -> tuple:
+    """The libgomp this process's torch uses, and torch's MKL per-thread setter: (None, None)
+    where torch's threads are not libgomp's (found by the path mapped into this process, so a
+    libgomp of another build is never loaded beside it)."""
+    if not _OPENMP:
+        gomp = mkl = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "/lib" in line and ".so" in line}
+        except OSError:
+            paths = set()
+        gomp_path = next((p for p in paths if "/libgomp" in p), None)
+        if gomp_path is not None and "OpenMP" in torch.__config__.parallel_info():
+            gomp = ctypes.CDLL(gomp_path)
+            torch_cpu = next((p for p in paths if p.endswith("/libtorch_cpu.so")), None)
+            if torch_cpu is not None:
+                mkl = getattr(ctypes.CDLL(torch_cpu), "MKL_Set_Num_Threads_Local", None)  # C: by value
+        _OPENMP[:] = [gomp, mkl]
+    return tuple(_OPENMP)
+
+
+def _serial_by_default() -> bool:
+    """Every thread starts with a team of one (torch reads its process-wide count at a thread's
+    first parallel op), and ``thread_team`` gives a thread its own: only where torch runs on
+    libgomp (False elsewhere, nothing changed)."""
+    if _openmp()[0] is None:
+        return False
+    torch.set_num_threads(1)
+    _TEAM.size = 1
+    return True
+
+
+def thread_team(count: int) -> None:
+    """The calling thread's parallel ops run on ``count`` threads; other threads keep theirs.
+    Where teams cannot be set per thread (not libgomp), torch's process-wide count."""
+    if getattr(_TEAM, "size", None) == count:
+        return
+    gomp, mkl = _openmp()
+    if gomp is None:
+        torch.set_num_threads(count)
+    else:
+        torch.get_num_threads()  # torch's own first-use setup of this thread, which would overwrite the team
+        gomp.omp_set_num_threads(count)
+        if mkl is not None:
+            mkl(count)
+    _TEAM.size = count
+
+
+def forward_team(count: int = 0) -> None:
+    """Before a forward on this thread: its team, ``count`` threads or configure_threads' count.
+    Nothing where the process never configured its threads (a tool, a test in-process)."""
+    count = count or _FORWARD_THREADS
+    if count:
+        thread_team(count)
+
+
+def release_thread_team() -> None:
+    """The calling thread computes no more forwards (it loaded the weights): its parallel ops run
+    alone from now on, and its OpenMP pool's threads exit (OpenMP 5's omp_pause_resource_all)."""
+    gomp, _ = _openmp()
+    if gomp is None or not _FORWARD_THREADS:
+        return
+    thread_team(1)
+    gomp.omp_pause_resource_all(1)  # omp_pause_soft: libgomp frees the calling thread's pool
 
 
 def default_device() -> str:

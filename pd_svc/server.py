@@ -25,7 +25,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
-from epd.tensors import configure_threads, default_device
+from epd.tensors import configure_threads, default_device, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 from decode_svc.engine import DecodeEngine
@@ -67,6 +67,7 @@ class AggregateServer(rpc.RoleServer):
         self.membership = Membership(context, address=self.address(), capacity_tokens=self.decode.capacity_tokens(),
                                      load=self._load, also_roles=("decode",))
         self.prefill.on_stored = self.membership.report_soon
+        release_thread_team()  # the decode loop's thread runs the forwards (epd/tensors.py)
 
     def _local_handoff(self, header: epd_pb2.HandoffHeader, state: HybridState, log_id: str) -> str:
         """The prompt decodes here: its place is held as a handoff's would be (RESOURCE_EXHAUSTED

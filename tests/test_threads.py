@@ -36,3 +36,53 @@ def test_pinning_moves_every_thread_and_sets_one_torch_thread_per_core():
     assert threads.split(" ", 4)[:3] == ["threads", "1", "1"]
     assert int(threads.split(" ", 4)[3]) >= 2  # the early thread was there to be moved
     assert threads.endswith(f"['[{core}]']")
+
+
+TEAMS = textwrap.dedent("""
+    import os, threading, torch
+    from epd.tensors import configure_threads, forward_team, release_thread_team
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    def work():
+        torch.ones(1 << 22).add_(1)  # large enough for a parallel region
+
+    count = configure_threads(2, "")
+    before = threads()
+    work()  # the configuring thread loads the weights: on the whole team
+    loaded = threads()
+    print("loaded", count, torch.get_num_threads(), loaded - before)
+    release_thread_team()
+    print("released", torch.get_num_threads(), threads() - before)
+
+    done, team, started = threading.Event(), {}, threading.Barrier(4)
+    def other(name, forward):
+        if forward:
+            forward_team()
+        work()
+        team[name] = torch.get_num_threads()
+        started.wait()
+        done.wait()
+    base = threads()
+    handlers = [threading.Thread(target=other, args=(f"io{i}", False)) for i in range(2)]
+    loop = threading.Thread(target=other, args=("forward", True))
+    for thread in [*handlers, loop]:
+        thread.start()
+    started.wait()
+    print("serving", sorted(team.items()), threads() - base)
+    done.set()
+""")
+
+
+def test_only_forward_threads_hold_an_openmp_team():
+    """libgomp throttles every pool's spin once a process's pools hold more threads than it has
+    cores (epd/tensors.py): the threads that are not a forward's run their parallel ops alone and
+    start no pool, and the thread that loaded the weights gives its pool back."""
+    out = subprocess.run([sys.executable, "-c", TEAMS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, released, serving = out.stdout.strip().splitlines()
+    assert loaded == "loaded 2 2 1"  # the loading thread's team: one more thread
+    assert released == "released 1 0"  # ... which exits with the pool
+    # two handler threads alone, the forward's on two: three Python threads and one pool thread
+    assert serving == "serving [('forward', 2), ('io0', 1), ('io1', 1)] 4"
