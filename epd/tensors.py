@@ -7,6 +7,7 @@ and its shape, and is rebuilt with ``torch.frombuffer`` on the other side.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -117,28 +118,24 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
 # (docs/BENCHMARKS.md, "One OpenMP pool a process").
 _FORWARD_THREADS = 0  # configure_threads' count: a forward's team (0: not configured, torch's own default)
 _TEAM = threading.local()  # .size: this thread's team as thread_team set it
-_OPENMP: list = []  # [libgomp, MKL's per-thread setter or None] once looked for; [None, None] where not libgomp
 
 
+@functools.cache
 def _openmp() -> tuple:
     """The libgomp this process's torch uses, and torch's MKL per-thread setter: (None, None)
     where torch's threads are not libgomp's (found by the path mapped into this process, so a
     libgomp of another build is never loaded beside it)."""
-    if not _OPENMP:
-        gomp = mkl = None
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "/lib" in line and ".so" in line}
-        except OSError:
-            paths = set()
-        gomp_path = next((p for p in paths if "/libgomp" in p), None)
-        if gomp_path is not None and "OpenMP" in torch.__config__.parallel_info():
-            gomp = ctypes.CDLL(gomp_path)
-            torch_cpu = next((p for p in paths if p.endswith("/libtorch_cpu.so")), None)
-            if torch_cpu is not None:
-                mkl = getattr(ctypes.CDLL(torch_cpu), "MKL_Set_Num_Threads_Local", None)  # C: by value
-        _OPENMP[:] = [gomp, mkl]
-    return tuple(_OPENMP)
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line and ".so" in line}
+    except OSError:
+        return None, None
+    gomp_path = next((p for p in paths if "/libgomp" in p), None)
+    if gomp_path is None or "OpenMP" not in torch.__config__.parallel_info():
+        return None, None
+    torch_cpu = next((p for p in paths if p.endswith("/libtorch_cpu.so")), None)
+    mkl = getattr(ctypes.CDLL(torch_cpu), "MKL_Set_Num_Threads_Local", None) if torch_cpu else None  # C: by value
+    return ctypes.CDLL(gomp_path), mkl
 
 
 def _serial_by_default() -> bool:

@@ -1022,8 +1022,7 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
                  int64_t ld_gate, T* out) {
   const int64_t group = heads / kv_heads, units = batch * kv_heads, row_stride = kv_heads * dim;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(units, at::get_num_threads())), 1,
-                   [&](int64_t, int64_t) {
+  on_team(units, [&]() {
     std::vector<float> q(group * dim), acc(group * dim), scores, total(group);
     for (int64_t unit = next.fetch_add(1); unit < units; unit = next.fetch_add(1)) {
       const int64_t s = unit / kv_heads, kh = unit % kv_heads;
