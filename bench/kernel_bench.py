@@ -88,7 +88,9 @@ def kernel_set(module, timer: list[float]):
         return call
 
     saved, saved_env, saved_rule = lm.kernels, os.environ.get(fused.ENV), kernels_prefill.gdn_chunk_op
-    lm.kernels = SimpleNamespace(**{name: timed(getattr(module, name)) for name in _NAMES})
+    # the timed kernels in place of epd.kernels' own; its other functions as they are
+    public = {name: getattr(kernels, name) for name in dir(kernels) if not name.startswith("_")}
+    lm.kernels = SimpleNamespace(**{**public, **{name: timed(getattr(module, name)) for name in _NAMES}})
     os.environ[fused.ENV] = "0"  # these are the torch paths' configurations: not the fused C++ step
     kernels_prefill.gdn_chunk_op = lambda: None  # nor the fused chunked rule (bench.gdn_chunk times it)
     try:

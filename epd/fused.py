@@ -1,8 +1,8 @@
 """Fused CPU kernels written in C++ (``epd/csrc``), compiled on this machine at first use.
 
 Two libraries: ``epd/csrc/gdn_decode.cpp`` (below) and ``epd/csrc/decode_ops.cpp``
-(``decode_ops()``: decode's few-row linear layers, residual add + RMSNorm, and full-attention
-step, used through ``epd.kernels``).
+(``decode_ops()``: decode's few-row linear layers, residual add + RMSNorm, a gated MLP's
+``silu(gate) * up``, and full-attention step, used through ``epd.kernels``).
 
 ``gdn_decode_step`` is one decode token of a Gated DeltaNet layer for a whole batch (conv step,
 q/k L2 norm, decay and beta, the recurrent state update and read-out, the gated RMSNorm) in one

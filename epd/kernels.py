@@ -467,6 +467,20 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return torch.ops.epd_decode.add_rms_norm(x, residual, weight, eps)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (a gated MLP's activation) as the two torch ops compute it, rounded
+    where they round, in one pass on a CPU for bfloat16 and float32 where ``fused.decode_ops()``
+    is built; the torch ops otherwise. ``gate`` and ``up`` may be strided views (the merged
+    gate/up product's halves)."""
+    width = gate.shape[-1]
+    if (gate.device.type == "cpu" and gate.dtype in (torch.bfloat16, torch.float32) and up.dtype == gate.dtype
+            and up.shape == gate.shape and width > 0 and not torch.is_grad_enabled() and fused.decode_ops()):
+        rows_gate, rows_up = gate.reshape(-1, width), up.reshape(-1, width)
+        if rows_gate.stride(-1) == 1 and rows_up.stride(-1) == 1:
+            return torch.ops.epd_decode.silu_mul(rows_gate, rows_up).view(gate.shape)
+    return F.silu(gate) * up
+
+
 def can_attend_paged(query: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` serves this step (a CPU, bfloat16 or float32, a head dim
     that is a multiple of 16, the kernels built)."""

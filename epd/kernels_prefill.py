@@ -1,6 +1,7 @@
 """Prefill's and the vision tower's CPU fast paths: batched matrix products through oneDNN, the
-fused chunked gated delta rule (``chunk_gated_delta_rule``, ``epd/csrc/gdn_chunk.cpp``), the
-vision tower's attention, patch embedding and MLP GELU.
+fused chunked gated delta rule (``chunk_gated_delta_rule``, ``epd/csrc/gdn_chunk.cpp``) and the
+same library's causal conv and gated RMSNorm (``causal_conv1d``, ``gated_rms_norm``), the vision
+tower's attention, rotary embedding, patch embedding and MLP GELU.
 
 On this project's CPUs (AMD EPYC with AVX-512) ATen sends a float32 ``bmm``/``matmul`` to MKL,
 which runs the Gated DeltaNet chunk products (``[heads, 32, 128] @ [heads, 128, 128]``) and the
@@ -144,6 +145,50 @@ def gdn_chunk_op():
         return None
 
 
+def _prefill_op(x: torch.Tensor, name: str):
+    """``torch.ops.epd_gdn_chunk.<name>`` (built with the fused rule, ``gdn_chunk_op``) for a CPU
+    tensor of a dtype it serves outside autograd; None otherwise."""
+    if x.device.type != "cpu" or x.dtype not in GDN_CHUNK_DTYPES or torch.is_grad_enabled() or gdn_chunk_op() is None:
+        return None
+    return getattr(torch.ops.epd_gdn_chunk, name)
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the fused prefill ops of ``epd/csrc/gdn_chunk.cpp`` (``causal_conv1d``,
+    ``gated_rms_norm``, the chunked rule) serve a tensor like ``x`` here."""
+    return _prefill_op(x, "conv") is not None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                  window: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``epd.kernels.causal_conv1d`` (same contract, same arithmetic) in one C++ call on a CPU for
+    bfloat16 and float32 with SiLU or no activation: the torch path's concatenation, dtype
+    conversions and K passes over ``[T, C]`` become one pass (86 of a 247-token prompt's 567 ms on
+    one core went to them). Anything else runs the torch path."""
+    from epd import kernels
+
+    op = _prefill_op(x, "conv") if activation in (None, "silu", "swish") and x.shape[-1] > 0 else None
+    if op is None or (window is not None and window.dtype != x.dtype):
+        return kernels.causal_conv1d(x, weight, bias, activation, window=window)
+    rows = x.transpose(1, 2)  # [B, T, C]: the input projection's own layout when x is its transposed view
+    taps = weight.t().float().contiguous()  # [K, C]
+    out, new_window = op(rows if rows.stride(-1) == 1 else rows.contiguous(), window, taps,
+                         None if bias is None else bias.float(), activation is not None)
+    return out.transpose(1, 2), new_window
+
+
+def gated_rms_norm(norm: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's gated RMSNorm (transformers' ``Qwen3_5RMSNormGated``, per head of
+    ``norm.weight``'s size) of ``core`` and the gate ``z``, both ``[T, heads * dim]`` (rows may be
+    strided), in one C++ call where it serves; ``[T, heads * dim]``, what the module computes on
+    the per-head rows, rounded where it rounds."""
+    op = _prefill_op(core, "gated_norm") if core.dtype == z.dtype == norm.weight.dtype else None
+    if op is None or core.stride(-1) != 1 or z.stride(-1) != 1:
+        dim = norm.weight.shape[0]
+        return norm(core.reshape(-1, dim), z.reshape(-1, dim)).reshape(core.shape[0], -1)
+    return op(core, z, norm.weight, norm.variance_epsilon)
+
+
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False):
@@ -218,6 +263,67 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.to(dtype).unsqueeze(0), None
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``epd_gdn_chunk.rotary``: ``x [L, heads, dim]`` rotated by float32 ``cos``/``sin`` ``[L, dim]``."""
+    return torch.ops.epd_gdn_chunk.rotary(x, cos, sin)
+
+
+@functools.cache
+def _vision_attention_class():
+    """``RotaryVisionAttention``: made on first use (transformers' Qwen3.5 module is imported only
+    by a process that builds a vision tower)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class RotaryVisionAttention(qm.Qwen3_5VisionAttention):
+        """transformers' ``Qwen3_5VisionAttention`` with the rotary embedding of the query and the
+        key as one C++ pass each (``epd_gdn_chunk.rotary``) instead of ``apply_rotary_pos_emb_vision``'s
+        conversions, ``rotate_half`` copies, two products and a sum over ``[patches, heads, dim]``
+        float32 tensors (about 15% of a 448x448 image's tower on one core). The same float32
+        operations, each rounded as torch rounds it: the output is bit-identical. Attention and
+        the output projection are transformers' (its non-flash path: one call per image)."""
+
+        def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
+            if (position_embeddings is None or not serves(hidden_states) or self.training
+                    or getattr(self.config, "_attn_implementation", "") in ("flash_attention_2", "flash_attention_3")):
+                return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+            cos, sin = position_embeddings
+            length = hidden_states.shape[0]
+            query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).unbind(1)
+            cos, sin = (t.to(torch.float32) for t in (cos, sin))
+            query, key = (_rotary(t, cos, sin) for t in (query, key))  # [L, heads, dim]
+            query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                           qm.eager_attention_forward)
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            outs = [attend(self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=0.0, is_causal=False,
+                           **kwargs)[0]
+                    for q, k, v in zip(*(torch.split(t, lengths, dim=2) for t in (query, key, value)))]
+            out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            return self.proj(out.reshape(length, -1).contiguous())
+
+    return RotaryVisionAttention
+
+
+def use_rotary_kernel(vision: torch.nn.Module) -> int:
+    """Each of ``vision``'s attention modules (transformers' ``Qwen3_5VisionAttention``) becomes
+    ``RotaryVisionAttention`` (the same weights, the rotary embedding in C++) where the fused ops
+    serve its dtype; how many. 0 with ``EPD_PREFILL_KERNELS=0``."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+
+    weight = next(vision.parameters())
+    if weight.device.type != "cpu" or weight.dtype not in GDN_CHUNK_DTYPES or gdn_chunk_op() is None:
+        return 0
+    cls, count = _vision_attention_class(), 0
+    for module in vision.modules():
+        if type(module) is qm.Qwen3_5VisionAttention:
+            module.__class__ = cls
+            count += 1
+    return count
+
+
 def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     """``vision``'s CPU fast paths, when its weights are on a CPU: the patch embedding as one
     pre-packed linear layer (``PatchProjection``; not when ``prepack`` is off, as ``--no-prepack``
@@ -238,6 +344,7 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
     if prepack and isinstance(proj, torch.nn.Conv3d) and kernels.can_prepack(weight.device, weight.dtype):
         vision.patch_embed.proj = PatchProjection(proj)
     fuse_mlp_activations(vision)
+    use_rotary_kernel(vision)
     if weight.dtype == torch.float32 or not available():
         return False
     if weight.dtype == torch.bfloat16 and kernels.amx_bf16():

@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
 from epd import core_share, fused, kernels, kernels_prefill
@@ -394,6 +395,8 @@ class TextModelRunner:
         position_ids = torch.cat(position_parts, dim=1) if len(position_parts) > 1 else position_parts[0]
         cos, sin = self.model.rotary_emb(hidden, position_ids.unsqueeze(1))  # [1, N, rotary_dim]
         mix = _Mix(lengths, states, batch, len(token_ids) if batch is not None else 0, marks)
+        if self._fused_norms():
+            return self._layers_fused(hidden, cos, sin, mix)
         for index, layer in enumerate(self.model.layers):
             core_share.rebalance()  # a step of seconds follows the encoder's comings and goings
             residual = hidden
@@ -403,12 +406,31 @@ class TextModelRunner:
             else:
                 hidden = _full_attention(layer.self_attn, hidden, cos, sin, mix, index)
             hidden = residual + hidden
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         return hidden
 
+    def _layers_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mix: _Mix) -> torch.Tensor:
+        """``_layers``' loop with each residual add folded into the norm after it
+        (``kernels.add_rms_norm``, as ``_decode_layers_fused``): the same values, one pass over the
+        ``[N, hidden]`` rows per norm instead of the add and the norm's six."""
+        rows = hidden.shape[1]
+        residual = hidden.reshape(rows, -1).clone()  # updated in place: never the caller's embeddings
+        out = None
+        for index, layer in enumerate(self.model.layers):
+            core_share.rebalance()
+            normed = _add_norm(out, residual, layer.input_layernorm).view(1, rows, -1)
+            if self.layer_types[index] == "linear_attention":
+                out = _linear_attention(layer.linear_attn, normed, mix, index)
+            else:
+                out = _full_attention(layer.self_attn, normed, cos, sin, mix, index)
+            normed = _add_norm(out, residual, layer.post_attention_layernorm).view(1, rows, -1)
+            out = _mlp(layer.mlp, normed)
+        return (residual + out.reshape(rows, -1)).view(1, rows, -1)
+
     def _fused_norms(self) -> bool:
-        """Whether the decode step's residual adds and decoder RMSNorms run as one C++ call each
-        (``kernels.add_rms_norm``): a CPU, the kernels built, transformers' Qwen3.5 RMSNorm."""
+        """Whether the residual adds and decoder RMSNorms of every forward (decode steps, prefill
+        chunks, mixed steps) run as one C++ call each (``kernels.add_rms_norm``): a CPU, the
+        kernels built, transformers' Qwen3.5 RMSNorm."""
         if self.device.type != "cpu" or self.dtype not in FUSED_DTYPES or not fused.decode_ops():
             return False
         norms = [self.model.norm, *(n for layer in self.model.layers
@@ -431,7 +453,7 @@ class TextModelRunner:
             else:
                 out = _full_attention_step(layer.self_attn, normed, cos, sin, batch, index)
             normed = _add_norm(out, residual, layer.post_attention_layernorm).view(size, 1, -1)
-            out = layer.mlp(normed)
+            out = _mlp(layer.mlp, normed)
         batch.advance()
         return self.logits(_add_norm(out, residual, self.model.norm))
 
@@ -529,7 +551,20 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if type(self.act_fn) in _SILU:  # one pass where the C++ kernels serve (bit-identical in bfloat16)
+            return self.down_proj(kernels.silu_mul(gate, up))
         return self.down_proj(self.act_fn(gate) * up)
+
+
+_SILU = (SiLUActivation, torch.nn.SiLU)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's MLP block: transformers' dense SwiGLU MLP with its activation and product
+    as one pass (``kernels.silu_mul``, as ``GatedMLP``), any other block (MoE, merged) as it is."""
+    if type(mlp) is qm.Qwen3_5MLP and type(mlp.act_fn) in _SILU:
+        return mlp.down_proj(kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp(x)
 
 
 def merge_projections(model: torch.nn.Module, make) -> None:
@@ -659,7 +694,8 @@ def _gdn_prefill_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torc
     returns the gated-normed core ``[T, v_heads * v_dim]``."""
     length = mixed.shape[0]
     beta, g = (t.unsqueeze(0) for t in _gdn_gates(gdn, a, b))  # [1, T, v_heads]
-    conv_out, state.conv[index] = kernels.causal_conv1d(  # [1, conv_dim, T], a view of time-major memory
+    conv = kernels_prefill.causal_conv1d if kernels_prefill.serves(mixed) else kernels.causal_conv1d
+    conv_out, state.conv[index] = conv(  # [1, conv_dim, T], a view of time-major memory
         mixed.unsqueeze(0).transpose(1, 2), gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, gdn.activation,
         window=state.conv[index])
     query, key, value = _split_qkv(gdn, conv_out.transpose(1, 2))
@@ -673,6 +709,8 @@ def _gdn_prefill_core(gdn: qm.Qwen3_5GatedDeltaNet, mixed: torch.Tensor, z: torc
             query, key, value, g=g, beta=beta, chunk_size=_gdn_chunk(device),
             initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.recurrent[index] = recurrent
+    if type(gdn.norm) is qm.Qwen3_5RMSNormGated:  # one C++ pass where it serves
+        return kernels_prefill.gated_rms_norm(gdn.norm, core.reshape(length, -1), z)
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
     return core.reshape(length, -1)
 

@@ -309,3 +309,118 @@ def test_the_vision_mlps_gelu_rides_in_the_packed_first_layer(tiny_model_dir, dt
     ours, plain = (tower(pixels, grid_thw=grid).pooler_output.float() for tower in towers)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours, plain, rtol=tolerance, atol=tolerance)
+
+
+def _conv_case(channels, length, dtype, seed, with_window=True):
+    gen = torch.Generator().manual_seed(seed)
+    # the input projection's layout: time-major rows inside a wider product, viewed [1, C, T]
+    rows = torch.randn(1, length, channels + 8, generator=gen)[..., :channels].to(dtype)
+    weight = torch.randn(channels, 4, generator=gen) * 0.5
+    bias = torch.randn(channels, generator=gen)
+    window = torch.randn(1, channels, 4, generator=gen).to(dtype) if with_window else None
+    return rows.transpose(1, 2), weight, bias, window
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels,length", [(96, 1), (96, 2), (96, 3), (40, 37), (6144, 65)])
+@pytest.mark.parametrize("with_window", [False, True])
+@torch.inference_mode()
+def test_the_fused_conv_matches_the_torch_path(dtype, channels, length, with_window):
+    if kernels_prefill.gdn_chunk_op() is None:
+        pytest.skip("the fused prefill kernels are not built here")
+    x, weight, bias, window = _conv_case(channels, length, dtype, seed=length + channels, with_window=with_window)
+    kept = None if window is None else window.clone()
+    for b in (bias, None):
+        out, new_window = kernels_prefill.causal_conv1d(x, weight, b, "silu", window=window)
+        want, want_window = kernels.causal_conv1d(x, weight, b, "silu", window=window)
+        assert out.shape == want.shape and out.stride() == want.stride() and out.dtype == dtype
+        assert torch.equal(new_window, want_window)  # the last K inputs, copied: exact
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        else:  # the same float32 sums; SiLU's exp may move a value across a bfloat16 rounding boundary
+            assert (out != want).float().mean() < 1e-3
+            torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+    if window is not None:
+        assert torch.equal(window, kept), "the caller's window must not be written"
+    plain, _ = kernels_prefill.causal_conv1d(x, weight, bias, None, window=window)
+    torch.testing.assert_close(plain.float(), kernels.causal_conv1d(x, weight, bias, None, window=window)[0].float(),
+                               rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@torch.inference_mode()
+def test_the_fused_conv_continues_across_chunks():
+    if kernels_prefill.gdn_chunk_op() is None:
+        pytest.skip("the fused prefill kernels are not built here")
+    x, weight, bias, _ = _conv_case(64, 70, torch.float32, seed=3, with_window=False)
+    whole, whole_window = kernels_prefill.causal_conv1d(x, weight, bias, "silu")
+    first, window = kernels_prefill.causal_conv1d(x[..., :2], weight, bias, "silu")
+    second, window = kernels_prefill.causal_conv1d(x[..., 2:], weight, bias, "silu", window=window)
+    torch.testing.assert_close(torch.cat([first, second], dim=-1), whole, rtol=0, atol=0)
+    assert torch.equal(window, whole_window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,heads", [(128, 16), (24, 3)])
+@torch.inference_mode()
+def test_the_fused_gated_norm_matches_transformers(dtype, dim, heads):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+
+    if kernels_prefill.gdn_chunk_op() is None:
+        pytest.skip("the fused prefill kernels are not built here")
+    gen = torch.Generator().manual_seed(dim)
+    norm = qm.Qwen3_5RMSNormGated(dim, eps=1e-6)
+    norm.weight.copy_(1 + torch.randn(dim, generator=gen) * 0.2)
+    norm = norm.to(dtype)
+    core = (torch.randn(53, heads * dim, generator=gen) * 2).to(dtype)
+    z = torch.randn(53, heads * dim + 16, generator=gen).to(dtype)[:, :heads * dim]  # strided rows
+    got = kernels_prefill.gated_rms_norm(norm, core, z)
+    want = norm(core.reshape(-1, dim), z.reshape(-1, dim)).reshape(53, -1)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 3584), (37, 3584), (5, 40)])
+@torch.inference_mode()
+def test_silu_mul_matches_the_two_torch_ops(dtype, rows, width):
+    from epd import fused
+
+    if not fused.decode_ops():
+        pytest.skip("the C++ decode kernels are not built here")
+    gen = torch.Generator().manual_seed(rows)
+    gate, up = (torch.randn(1, rows, 2 * width, generator=gen) * 3).to(dtype).split(width, dim=-1)
+    got = kernels.silu_mul(gate, up)
+    want = F.silu(gate) * up
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # SiLU rounded to bfloat16, then the product rounded: torch's two roundings
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_vision_rotary_kernel_gives_transformers_tower_output_bit_for_bit(tiny_model_dir, dtype, fresh):
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6]])  # two images: attention runs once per image
+    pixels = torch.randn(28, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    outputs = []
+    for switch in ("1", "0"):
+        fresh.setenv("EPD_PREFILL_KERNELS", switch)
+        kernels_prefill.gdn_chunk_op.cache_clear()
+        vision = checkpoint.build_vision_model(tiny_model_dir, dtype=dtype)
+        count = kernels_prefill.use_rotary_kernel(vision)
+        if switch == "1" and count == 0:
+            pytest.skip("the fused prefill kernels are not built here")
+        assert count == (len(vision.blocks) if switch == "1" else 0)
+        calls = []
+        if count:
+            real = torch.ops.epd_gdn_chunk.rotary
+            fresh.setattr(kernels_prefill, "_rotary", lambda *a: calls.append(1) or real(*a))
+        outputs.append(vision(pixels, grid_thw=grid).pooler_output)
+        assert len(calls) == (2 * len(vision.blocks) if count else 0)  # the query and the key of each block
+    assert torch.equal(outputs[0], outputs[1])

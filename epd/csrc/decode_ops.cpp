@@ -43,7 +43,7 @@
 
 #include <ATen/ops/mm.h>
 
-#include "vec_math.h"
+#include "elementwise.h"
 
 #include <immintrin.h>
 
@@ -734,8 +734,8 @@ at::Tensor linear_float(const at::Tensor& x, const at::Tensor& packed, int64_t n
 // ---- the decoder layers' RMSNorm with the residual add before it (Qwen3.5's: float32 math,
 // weight applied as (1 + w), rounded to the model dtype once at the end)
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using epd_vec::round_to;
+using epd_vec::to_float;
 
 // residual <- residual + x (rounded to T, as torch's add in T), out <- norm(residual) * (1 + w).
 // With x empty only the norm of residual (which is left as it is).
@@ -747,21 +747,37 @@ void add_rms_norm_impl(const T* x, int64_t ldx, T* residual, int64_t ldr, const 
     for (int64_t r = begin; r < end; ++r) {
       T* res = residual + r * ldr;
       float* s = sum.data();
-      if (x) {
-        const T* xr = x + r * ldx;
-        for (int64_t i = 0; i < dim; ++i) {
-          const T rounded = static_cast<T>(to_float(res[i]) + to_float(xr[i]));
-          res[i] = rounded;
-          s[i] = to_float(rounded);
-        }
-      } else {
-        for (int64_t i = 0; i < dim; ++i) s[i] = to_float(res[i]);
-      }
       float squares = 0.f;
-      for (int64_t i = 0; i < dim; ++i) squares += s[i] * s[i];
+      int64_t i = 0;
+#ifdef __AVX512F__
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= dim; i += 16) {
+        __m512 v = epd_vec::vload(res + i);
+        if (x) {
+          v = _mm512_add_ps(v, epd_vec::vload(x + r * ldx + i));
+          if constexpr (!std::is_same_v<T, float>) v = epd_vec::vround_bf16(v);
+          epd_vec::vstore(res + i, v);
+        }
+        _mm512_storeu_ps(s + i, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      squares = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < dim; ++i) {
+        if (x) res[i] = static_cast<T>(to_float(res[i]) + to_float(x[r * ldx + i]));
+        s[i] = to_float(res[i]);
+        squares += s[i] * s[i];
+      }
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
       T* o = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(s[i] * inv * (1.f + to_float(weight[i])));
+      i = 0;
+#ifdef __AVX512F__
+      const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= dim; i += 16)
+        epd_vec::vstore(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), vinv),
+                                             _mm512_add_ps(one, epd_vec::vload(weight + i))));
+#endif
+      for (; i < dim; ++i) o[i] = static_cast<T>(s[i] * inv * (1.f + to_float(weight[i])));
     }
   });
 }
@@ -793,12 +809,51 @@ at::Tensor add_rms_norm(const c10::optional<at::Tensor>& x, at::Tensor residual,
   return out;
 }
 
-// ---- a full-attention layer's decode inputs: q/k RMSNorm, partial rotary, K/V into the pool
+// ---- a gated MLP's activation: silu(gate) * up (transformers' Qwen3_5MLP), one pass
 
+// out <- silu(gate) rounded to T, times up, rounded to T: what act_fn(gate) * up computes in T
+// (ATen's SiLU works in float32 and rounds once; the product of two T values rounds once).
 template <typename T>
-inline float round_to(float x) {  // x rounded to T and back (identity for float)
-  return static_cast<float>(static_cast<T>(x));
+void silu_mul_impl(const T* gate, int64_t ld_gate, const T* up, int64_t ld_up, T* out, int64_t rows, int64_t dim) {
+  const int64_t blocks = (dim + 255) / 256;  // units of 256 columns: rows x blocks of work for the team
+  at::parallel_for(0, rows * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / blocks, c0 = (unit % blocks) * 256, c1 = std::min(dim, c0 + 256);
+      const T* g = gate + r * ld_gate;
+      const T* u = up + r * ld_up;
+      T* o = out + r * dim;
+      int64_t i = c0;
+#ifdef __AVX512F__
+      for (; i + 16 <= c1; i += 16) {
+        __m512 act = epd_vec::vsilu(epd_vec::vload(g + i));
+        if constexpr (!std::is_same_v<T, float>) act = epd_vec::vround_bf16(act);
+        epd_vec::vstore(o + i, _mm512_mul_ps(act, epd_vec::vload(u + i)));
+      }
+#endif
+      for (; i < c1; ++i) o[i] = static_cast<T>(round_to<T>(epd_vec::silu(to_float(g[i]))) * to_float(u[i]));
+    }
+  });
 }
+
+// (gate, up) [rows, dim] (rows strided, columns contiguous) -> silu(gate) * up [rows, dim]
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.silu_mul: bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(gate.dim() == 2 && up.dim() == 2 && gate.sizes() == up.sizes() && up.scalar_type() == dtype &&
+                  gate.stride(1) == 1 && up.stride(1) == 1 && gate.device().is_cpu() && up.device().is_cpu(),
+              "epd_decode.silu_mul: gate and up must be CPU [rows, dim] of one dtype with contiguous columns");
+  const int64_t rows = gate.size(0), dim = gate.size(1);
+  at::Tensor out = at::empty({rows, dim}, gate.options());
+  if (dtype == at::kFloat)
+    silu_mul_impl<float>(gate.data_ptr<float>(), gate.stride(0), up.data_ptr<float>(), up.stride(0),
+                         out.data_ptr<float>(), rows, dim);
+  else
+    silu_mul_impl<c10::BFloat16>(gate.data_ptr<c10::BFloat16>(), gate.stride(0), up.data_ptr<c10::BFloat16>(),
+                                 up.stride(0), out.data_ptr<c10::BFloat16>(), rows, dim);
+  return out;
+}
+
+// ---- a full-attention layer's decode inputs: q/k RMSNorm, partial rotary, K/V into the pool
 
 // Per slot s and head: Qwen3.5's per-head RMSNorm ((1 + w), float32 math, rounded to T), then the
 // rotary embedding of the first `rot` dims as transformers' apply_rotary_pos_emb computes it in T
@@ -818,12 +873,8 @@ void attention_inputs_impl(const T* qg, int64_t ld_qg, const T* k, int64_t ld_k,
       const T* src = is_query ? qg + s * ld_qg + h * 2 * dim : k + s * ld_k + (h - heads) * dim;
       const T* w = is_query ? q_w : k_w;
       T* dst = is_query ? query + (s * heads + h) * dim : keys + (write[s] * kv_heads + (h - heads)) * dim;
-      float squares = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        x[i] = to_float(src[i]);
-        squares += x[i] * x[i];
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      epd_vec::load_as<T>(x.data(), src, dim);
+      const float inv = 1.f / std::sqrt(epd_vec::sum_squares(x.data(), dim) / static_cast<float>(dim) + eps);
       for (int64_t i = 0; i < dim; ++i) x[i] = round_to<T>(x[i] * inv * (1.f + to_float(w[i])));
       const T* c = cos + s * ld_cs;
       const T* sn = sin + s * ld_cs;
@@ -1230,6 +1281,7 @@ TORCH_LIBRARY(epd_decode, m) {
   m.def("linear_wide(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_float(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, Tensor? gate) -> Tensor");
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
         "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write) -> Tensor");
@@ -1242,6 +1294,7 @@ TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("linear_wide", &linear_wide);
   m.impl("linear_float", &linear_float);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("attend", &attend);
   m.impl("attention_inputs", &attention_inputs);
   m.impl("greedy_rows", &greedy_rows);

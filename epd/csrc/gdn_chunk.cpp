@@ -22,8 +22,13 @@
 // "A CPU with AMX"). Such a value is ~2^-126 of its normal-sized neighbours, far below any
 // output's last bit, so nothing a token depends on moves.
 //
-// Registered as torch.ops.epd_gdn_chunk.chunk_rule (TORCH_LIBRARY, no pybind11). Built at first
-// use by epd/kernels_prefill.py through epd/fused.py's compile_library.
+// The library also holds prefill's other Gated DeltaNet passes and the vision tower's rotary
+// embedding, each one pass over the rows where the torch path made several: conv (the depthwise
+// causal conv of a chunk on top of its window, with SiLU), gated_norm (the gated RMSNorm after the
+// rule), rotary (apply_rotary_pos_emb_vision); each says how it rounds.
+//
+// Registered as torch.ops.epd_gdn_chunk.{chunk_rule, conv, gated_norm, rotary} (TORCH_LIBRARY, no
+// pybind11). Built at first use by epd/kernels_prefill.py through epd/fused.py's compile_library.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,7 +36,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "vec_math.h"
+#include "elementwise.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -42,6 +47,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -49,8 +55,7 @@ namespace {
 
 constexpr float kL2Eps = 1e-6f;  // transformers' l2norm epsilon
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using epd_vec::to_float;
 
 #ifdef __AVX512F__
 using epd_vec::vexp;  // exp for float32 (vec_math.h)
@@ -331,13 +336,221 @@ at::Tensor chunk_rule(const at::Tensor& query, const at::Tensor& key, const at::
   return out;
 }
 
+// ---- the depthwise causal conv of a prefill chunk, and the gated RMSNorm after the rule
+
+// out[b, t, c] = act(sum_k full[b, t + k, c] taps[k, c] + bias[c]) for full = [the window's last K-1
+// inputs, x] (time-major), as epd/kernels.py's causal_conv1d computes it: float32, the taps summed
+// first to last (each product rounded, then added), the bias, SiLU, one rounding to T. The new
+// window (the last K inputs, [B, C, K] as transformers keeps it) goes to new_win.
+template <typename T>
+void conv_impl(const T* x, int64_t xb, int64_t xt, const T* win, int64_t wb, int64_t wc, int64_t wk,
+               const float* taps, const float* bias, bool act, int64_t batch, int64_t length, int64_t channels,
+               int64_t kernel, T* out, T* new_win) {
+  const int64_t carry = kernel - 1;
+  std::vector<float> carried(batch * carry * channels, 0.f);  // [B, K-1, C] float32, zeros without a window
+  if (win)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < carry; ++j)
+        for (int64_t c = 0; c < channels; ++c)
+          carried[(b * carry + j) * channels + c] = to_float(win[b * wb + c * wc + (j + 1) * wk]);
+  // full index j of batch b, channels from c
+  const auto row_f = [&](int64_t b, int64_t j) { return carried.data() + (b * carry + j) * channels; };
+  const auto row_x = [&](int64_t b, int64_t j) { return x + b * xb + (j - carry) * xt; };
+  constexpr int64_t kTokens = 16, kChannels = 512;
+  const int64_t t_blocks = (length + kTokens - 1) / kTokens, c_blocks = (channels + kChannels - 1) / kChannels;
+  at::parallel_for(0, batch * t_blocks * c_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / (t_blocks * c_blocks), tb = (unit / c_blocks) % t_blocks, cb = unit % c_blocks;
+      const int64_t t1 = std::min(length, (tb + 1) * kTokens), c0 = cb * kChannels;
+      const int64_t c1 = std::min(channels, c0 + kChannels);
+      for (int64_t t = tb * kTokens; t < t1; ++t) {
+        T* o = out + (b * length + t) * channels;
+        int64_t c = c0;
+#ifdef __AVX512F__
+        for (; c + 16 <= c1; c += 16) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t k = 0; k < kernel; ++k) {
+            const int64_t j = t + k;
+            const __m512 in = j < carry ? _mm512_loadu_ps(row_f(b, j) + c) : epd_vec::vload(row_x(b, j) + c);
+            const __m512 product = _mm512_mul_ps(in, _mm512_loadu_ps(taps + k * channels + c));
+            acc = k == 0 ? product : _mm512_add_ps(acc, product);
+          }
+          if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + c));
+          if (act) acc = epd_vec::vsilu(acc);
+          epd_vec::vstore(o + c, acc);
+        }
+#endif
+        for (; c < c1; ++c) {
+          float acc = 0.f;
+          for (int64_t k = 0; k < kernel; ++k) {
+            const int64_t j = t + k;
+            const float in = j < carry ? row_f(b, j)[c] : to_float(row_x(b, j)[c]);
+            const float product = in * taps[k * channels + c];
+            acc = k == 0 ? product : acc + product;
+          }
+          if (bias) acc += bias[c];
+          if (act) acc = epd_vec::silu(acc);
+          o[c] = static_cast<T>(acc);
+        }
+      }
+    }
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t k = 0; k < kernel; ++k) {
+      const int64_t j = length - 1 + k;  // the full index of the window's k-th input
+      for (int64_t c = 0; c < channels; ++c)
+        new_win[(b * channels + c) * kernel + k] = j < carry ? static_cast<T>(row_f(b, j)[c]) : row_x(b, j)[c];
+    }
+}
+
+// (x [B, T, C] with contiguous channels, window [B, C, K] or none, taps [K, C] float32, bias [C]
+// float32 or none, silu) -> (the activated output [B, T, C] in x's dtype, the new window [B, C, K])
+std::tuple<at::Tensor, at::Tensor> conv(const at::Tensor& x, const c10::optional<at::Tensor>& window,
+                                        const at::Tensor& taps, const c10::optional<at::Tensor>& bias, bool silu) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "epd_gdn_chunk.conv: float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.device().is_cpu(), "epd_gdn_chunk.conv: x must be [B, T, C], channels contiguous");
+  const int64_t batch = x.size(0), length = x.size(1), channels = x.size(2), kernel = taps.size(0);
+  TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.is_contiguous() && taps.dim() == 2 && taps.size(1) == channels &&
+                  kernel >= 1, "epd_gdn_chunk.conv: taps must be float32 contiguous [K, C]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == channels,
+                "epd_gdn_chunk.conv: bias must be float32 contiguous [C]");
+  if (window.has_value())
+    TORCH_CHECK(window->scalar_type() == dtype && window->dim() == 3 && window->size(0) == batch &&
+                    window->size(1) == channels && window->size(2) == kernel,
+                "epd_gdn_chunk.conv: window must be [B, C, K] of x's dtype");
+  at::Tensor out = at::empty({batch, length, channels}, x.options());
+  at::Tensor new_window = at::empty({batch, channels, kernel}, x.options());
+  TORCH_CHECK(length > 0, "epd_gdn_chunk.conv: an empty chunk");
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* w = window.has_value() ? window->data_ptr<T>() : nullptr;
+    const int64_t wb = window.has_value() ? window->stride(0) : 0, wc = window.has_value() ? window->stride(1) : 0,
+                  wk = window.has_value() ? window->stride(2) : 0;
+    conv_impl<T>(x.data_ptr<T>(), x.stride(0), x.stride(1), w, wb, wc, wk, taps.data_ptr<float>(), b, silu, batch,
+                 length, channels, kernel, out.data_ptr<T>(), new_window.data_ptr<T>());
+  };
+  if (dtype == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
+  return {out, new_window};
+}
+
+// Qwen3.5's gated RMSNorm (transformers' Qwen3_5RMSNormGated) per head of `dim` values:
+// weight * norm(x) * silu(z), float32 math rounded to T where the torch module rounds (the normed
+// values, their product with the weight, the result).
+template <typename T>
+void gated_norm_impl(const T* core, int64_t ld_core, const T* z, int64_t ld_z, const T* weight, float eps, T* out,
+                     int64_t rows, int64_t heads, int64_t dim) {
+  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim), gate(dim);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / heads, h = unit % heads;
+      epd_vec::load_as<T>(x.data(), core + r * ld_core + h * dim, dim);
+      const float inv = 1.f / std::sqrt(epd_vec::sum_squares(x.data(), dim) / static_cast<float>(dim) + eps);
+      for (int64_t j = 0; j < dim; ++j) x[j] *= inv;
+      epd_vec::round_inplace<T>(x.data(), dim);
+      epd_vec::mul_by<T>(x.data(), weight, dim);
+      epd_vec::round_inplace<T>(x.data(), dim);
+      epd_vec::load_as<T>(gate.data(), z + r * ld_z + h * dim, dim);
+      epd_vec::silu_inplace(gate.data(), dim);
+      epd_vec::mul_by<float>(x.data(), gate.data(), dim);
+      epd_vec::store_as<T>(out + r * heads * dim + h * dim, x.data(), dim);
+    }
+  });
+}
+
+// (core [N, H * D], z [N, H * D]: rows strided, columns contiguous; weight [D]) -> [N, H * D]
+at::Tensor gated_norm(const at::Tensor& core, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  const auto dtype = core.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "epd_gdn_chunk.gated_norm: float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(core.dim() == 2 && z.dim() == 2 && core.sizes() == z.sizes() && z.scalar_type() == dtype &&
+                  core.stride(1) == 1 && z.stride(1) == 1 && core.device().is_cpu() && z.device().is_cpu(),
+              "epd_gdn_chunk.gated_norm: core and z must be CPU [N, H * D] of one dtype with contiguous columns");
+  const int64_t dim = weight.numel();
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.is_contiguous() && dim > 0 && core.size(1) % dim == 0,
+              "epd_gdn_chunk.gated_norm: weight must be contiguous [D] of core's dtype, D dividing its width");
+  const int64_t rows = core.size(0), heads = core.size(1) / dim;
+  at::Tensor out = at::empty({rows, heads * dim}, core.options());
+  if (dtype == at::kFloat)
+    gated_norm_impl<float>(core.data_ptr<float>(), core.stride(0), z.data_ptr<float>(), z.stride(0),
+                           weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>(), rows, heads, dim);
+  else
+    gated_norm_impl<c10::BFloat16>(core.data_ptr<c10::BFloat16>(), core.stride(0), z.data_ptr<c10::BFloat16>(),
+                                   z.stride(0), weight.data_ptr<c10::BFloat16>(), static_cast<float>(eps),
+                                   out.data_ptr<c10::BFloat16>(), rows, heads, dim);
+  return out;
+}
+
+// ---- the vision tower's rotary embedding (transformers' apply_rotary_pos_emb_vision)
+
+// Not contracted into FMAs: each product and the sum are rounded as torch's three float32 ops
+// round them, so the output is bit-identical to transformers' in float32 and in bfloat16.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+// out[l, h] = (x cos[l] + rotate_half(x) sin[l]) for x = in[l, h] in float32, rounded to T once
+template <typename T>
+void rotary_impl(const T* in, int64_t ld_l, int64_t ld_h, const float* cos, const float* sin, int64_t ld_cs,
+                 T* out, int64_t length, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, length, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim), turned(dim), y(dim);
+    for (int64_t l = begin; l < end; ++l) {
+      const float* c = cos + l * ld_cs;
+      const float* sn = sin + l * ld_cs;
+      for (int64_t h = 0; h < heads; ++h) {
+        epd_vec::load_as<T>(x.data(), in + l * ld_l + h * ld_h, dim);
+        for (int64_t i = 0; i < half; ++i) {
+          turned[i] = -x[i + half];
+          turned[i + half] = x[i];
+        }
+        for (int64_t i = 0; i < dim; ++i) {
+          const float a = x[i] * c[i];
+          const float b = turned[i] * sn[i];
+          y[i] = a + b;
+        }
+        epd_vec::store_as<T>(out + (l * heads + h) * dim, y.data(), dim);
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+// (x [L, H, D] with contiguous D, cos and sin [L, D] float32) -> the rotated x [L, H, D] in x's dtype
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "epd_gdn_chunk.rotary: float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.device().is_cpu() && x.size(2) % 2 == 0,
+              "epd_gdn_chunk.rotary: x must be [L, H, D] with contiguous D, D even");
+  const int64_t length = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(0) == length && cos.size(1) == dim && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1 && cos.stride(0) == sin.stride(0),
+              "epd_gdn_chunk.rotary: cos and sin must be float32 [L, D] with contiguous D");
+  at::Tensor out = at::empty({length, heads, dim}, x.options());
+  if (dtype == at::kFloat)
+    rotary_impl<float>(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       cos.stride(0), out.data_ptr<float>(), length, heads, dim);
+  else
+    rotary_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), cos.data_ptr<float>(),
+                               sin.data_ptr<float>(), cos.stride(0), out.data_ptr<c10::BFloat16>(), length, heads, dim);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(epd_gdn_chunk, m) {
   m.def("chunk_rule(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, Tensor(a!) state, int chunk, "
         "bool l2norm) -> Tensor");
+  m.def("conv(Tensor x, Tensor? window, Tensor taps, Tensor? bias, bool silu) -> (Tensor, Tensor)");
+  m.def("gated_norm(Tensor core, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(epd_gdn_chunk, CPU, m) {
   m.impl("chunk_rule", &chunk_rule);
+  m.impl("conv", &conv);
+  m.impl("gated_norm", &gated_norm);
+  m.impl("rotary", &rotary);
 }

@@ -23,7 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "vec_math.h"
+#include "elementwise.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -38,72 +38,13 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-template <typename T>
-inline float round_to(float x) {  // x rounded to T and back (identity for float)
-  return static_cast<float>(static_cast<T>(x));
-}
+using epd_vec::round_inplace;
+using epd_vec::round_to;
+using epd_vec::silu_inplace;
+using epd_vec::store_as;
+using epd_vec::to_float;
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
-
-// ---- elementwise helpers over float arrays, AVX-512 where the compiler targets it
-
-#ifdef __AVX512F__
-using epd_vec::vexp;
-
-// float32 -> nearest bfloat16 (ties to even), back as float32 bits
-inline __m512 vround_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(0xFFFF0000))), nan, x);
-}
-#endif
-
-// x <- silu(x) = x / (1 + exp(-x))
-inline void silu_inplace(float* x, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), v));
-    _mm512_storeu_ps(x + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-  }
-#endif
-  for (; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
-}
-
-// x <- x rounded to T (nothing for float32)
-template <typename T>
-inline void round_inplace(float* x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, vround_bf16(_mm512_loadu_ps(x + i)));
-#endif
-    for (; i < n; ++i) x[i] = round_to<T>(x[i]);
-  }
-}
-
-// dst <- src as T (src already holds values representable in T, or is rounded here)
-template <typename T>
-inline void store_as(T* dst, const float* src, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, sizeof(float) * n);
-  } else {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) {
-      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(_mm512_loadu_ps(src + i))), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bits));
-    }
-#endif
-    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-  }
-}
 
 // One head's state update and read-out: ks = k^T S, delta = beta (v - decay ks),
 // S <- decay S + k delta^T (in place), core = q^T S (the new state, as transformers reads it out).
@@ -224,9 +165,7 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
       std::memcpy(w + (kernel - 1) * channels, xs, sizeof(T) * channels);
       for (int64_t h = 0; h < 2 * k_heads; ++h) {  // q heads, then k heads
         float* v = o + h * k_dim;
-        float sum = 0.f;
-        for (int64_t i = 0; i < k_dim; ++i) sum += v[i] * v[i];
-        float scale = 1.f / std::sqrt(sum + 1e-6f);  // transformers' l2norm: eps inside the root
+        float scale = 1.f / std::sqrt(epd_vec::sum_squares(v, k_dim) + 1e-6f);  // transformers' l2norm: eps inside the root
         if (h < k_heads) scale *= q_scale;
         for (int64_t i = 0; i < k_dim; ++i) v[i] *= scale;
       }
@@ -247,9 +186,8 @@ void decode_step_impl(const at::Tensor& mixed, at::Tensor& window, const at::Ten
       update_head(S, q, k, v, decay, beta, k_dim, v_dim, ks.data(), core.data());
       // gated RMSNorm: weight * norm(core) * silu(z), rounded where the torch path rounds
       round_inplace<T>(core.data(), v_dim);
-      float sum = 0.f;
-      for (int64_t j = 0; j < v_dim; ++j) sum += core[j] * core[j];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(v_dim) + static_cast<float>(norm_eps));
+      const float inv = 1.f / std::sqrt(epd_vec::sum_squares(core.data(), v_dim) / static_cast<float>(v_dim) +
+                                        static_cast<float>(norm_eps));
       for (int64_t j = 0; j < v_dim; ++j) core[j] *= inv;
       round_inplace<T>(core.data(), v_dim);
       for (int64_t j = 0; j < v_dim; ++j) core[j] *= to_float(norm_w[j]);
