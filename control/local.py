@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 
 from epd import core_share, logs
+from epd.sched import control_plane_batch
 from epd.config import DeployConfig, redact_url
 from epd.store import EmbeddingStore
 
@@ -158,9 +159,11 @@ class LocalStack:
         # stack; the caller's own handling (epd serve drains first) must stay in force.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         gpus = {} if self.deploy.local_gpus < 0 else {"num_gpus": self.deploy.local_gpus}
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace, **gpus,
-                 configure_logging=False, runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),
-                                                                       os.environ.get(logs.LEVEL_ENV, "INFO")))
+        with control_plane_batch():  # Ray's daemons and every actor: SCHED_BATCH but the forward roles
+            ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
+                     **gpus, configure_logging=False,
+                     runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),
+                                                  os.environ.get(logs.LEVEL_ENV, "INFO")))
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)

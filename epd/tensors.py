@@ -80,6 +80,9 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
     """
     import os
 
+    from epd import sched
+
+    sched.set_policy(batch=False)  # a forward role: its wakeups may preempt the control plane's
     if cpus:
         allowed = os.sched_getaffinity(0)
         wanted = parse_cpus(cpus) & allowed

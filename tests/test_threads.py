@@ -93,3 +93,63 @@ def test_only_forward_threads_hold_an_openmp_team():
     assert released == "released 1 0"  # ... which exits with the pool
     # two handler threads alone, the forward's on two: three Python threads and one pool thread
     assert serving == "serving [('forward', 2), ('io0', 1), ('io1', 1)] 4"
+
+
+POLICY = textwrap.dedent("""
+    import os, subprocess, sys, threading, time
+    from epd import sched
+    from epd.tensors import configure_threads
+
+    def policies(pid="self"):
+        return sorted({os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")})
+
+    early = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    early.start()  # a thread made before: Ray's and torch's in a role
+    with sched.control_plane_batch():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        inside = policies()
+    print("inside", inside == [os.SCHED_BATCH], "after", policies() == [os.SCHED_OTHER],
+          "child", policies(child.pid) == [os.SCHED_BATCH])
+    child.kill()
+    sched.set_policy(batch=True)  # a forward role's process, started by a batch daemon
+    late = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    late.start()
+    configure_threads(1, "")
+    print("forward", policies() == [os.SCHED_OTHER])
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_control_plane_starts_as_batch_and_a_forward_role_takes_the_default_policy_back():
+    out = subprocess.run([sys.executable, "-c", POLICY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["inside", "True", "after", "True", "child", "True", "forward", "True"]
+    off = subprocess.run([sys.executable, "-c", POLICY], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "EPD_CONTROL_BATCH": "0"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split()[:6] == ["inside", "False", "after", "True", "child", "False"]
+
+
+FORWARD_ROLES = ("ray::EncoderEngine", "ray::PrefillServer", "ray::DecodeServer", "ray::AggregateServer")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_a_served_stack_runs_its_forward_roles_at_the_default_policy_and_the_rest_as_batch(serve):
+    import psutil
+
+    seen = {"forward": 0, "control": 0}
+    for process in psutil.Process(serve.proc.pid).children(recursive=True):
+        try:
+            name = " ".join(process.cmdline())
+            policies = {os.sched_getscheduler(thread.id) for thread in process.threads()}
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+        if any(name.startswith(role) for role in FORWARD_ROLES):
+            assert policies == {os.SCHED_OTHER}, name
+            seen["forward"] += 1
+        elif name.startswith(("ray::Controller", "ray::Registry", "ray::RouterServer", "ray::EncodeServer")) \
+                or "gcs_server" in name or "/raylet" in name:
+            assert policies == {os.SCHED_BATCH}, name
+            seen["control"] += 1
+    assert seen["forward"] >= 4 and seen["control"] >= 6, seen  # 2 encoders, prefill, decode; 4 actors, 2 daemons
+    assert os.sched_getscheduler(serve.proc.pid) == os.SCHED_OTHER  # the launcher itself, after Ray's start
