@@ -978,16 +978,48 @@ struct Vec {
 };
 #endif
 
+// The pool row `ahead` rows after `row` of run r along the slot's runs, or -1 past its last.
+inline int64_t row_ahead(const int64_t* runs, int64_t r, int64_t last_run, int64_t row, int64_t ahead) {
+  int64_t target = row + ahead;
+  while (target >= runs[2 * r + 1]) {
+    const int64_t over = target - runs[2 * r + 1];
+    if (++r >= last_run) return -1;
+    target = runs[2 * r] + over;
+  }
+  return target;
+}
+
+// The bytes of one head's row of a pool into the caches ahead of their use: the rows are in DRAM
+// by the time attention runs (the step's weight stream evicts them), and the hardware prefetchers
+// do not run far enough ahead of 512-byte pieces strided by the other heads' (cold pool, 16 slots x
+// 300 tokens, one layer on two threads: 1.22 ms, against 0.55 ms with the pool in the caches).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim, bool near) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+    if (near) __builtin_prefetch(p + off, 0, 3);
+    else __builtin_prefetch(p + off, 0, 2);
+  }
+}
+
+constexpr int64_t kRowsAhead = 8;  // K rows prefetched ahead of the scores
+
 // Scores of up to 4 query heads of one group (G of them, q: G rows of dim floats) against each of
 // a slot's K rows: scores[g * tokens + t] = scale * q_g . k_t. Each K row is read (and converted)
 // once for the G heads; each head's sum is the same chain of fused multiply-adds over the dim's
-// vectors as one head alone would make, so the scores do not depend on G.
+// vectors as one head alone would make, so the scores do not depend on G. K rows are prefetched
+// kRowsAhead ahead, and with `values` each V row of the head toward the outer caches for the
+// products that follow (a unit's K and V rows fit in L2).
 template <int G, typename T>
-inline void group_scores(const float* q, int64_t dim, const T* keys, int64_t row_stride, const int64_t* runs,
-                         int64_t first_run, int64_t last_run, float scale, float* scores, int64_t tokens) {
+inline void group_scores(const float* q, int64_t dim, const T* keys, const T* values, int64_t row_stride,
+                         const int64_t* runs, int64_t first_run, int64_t last_run, float scale, float* scores,
+                         int64_t tokens) {
   int64_t t = 0;
   for (int64_t r = first_run; r < last_run; ++r)
     for (int64_t row = runs[2 * r]; row < runs[2 * r + 1]; ++row, ++t) {
+      const int64_t next = row_ahead(runs, r, last_run, row, kRowsAhead);
+      if (next >= 0) prefetch_row(keys + next * row_stride, dim, true);
+      if (values) prefetch_row(values + row * row_stride, dim, false);
       const T* k = keys + row * row_stride;
       Vec::R sum[G];
       for (int g = 0; g < G; ++g) sum[g] = Vec::zero();
@@ -1040,14 +1072,15 @@ inline void group_values_all(const float* probs, int64_t tokens, const T* values
 }
 
 template <typename T>
-inline void scores_for(int g_count, const float* q, int64_t dim, const T* keys, int64_t row_stride,
+inline void scores_for(int g_count, const float* q, int64_t dim, const T* keys, const T* values, int64_t row_stride,
                        const int64_t* runs, int64_t first_run, int64_t last_run, float scale, float* scores,
                        int64_t tokens) {
   switch (g_count) {
-    case 1: return group_scores<1>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
-    case 2: return group_scores<2>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
-    case 3: return group_scores<3>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
-    default: return group_scores<4>(q, dim, keys, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    case 1: return group_scores<1>(q, dim, keys, values, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    case 2: return group_scores<2>(q, dim, keys, values, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    case 3: return group_scores<3>(q, dim, keys, values, row_stride, runs, first_run, last_run, scale, scores, tokens);
+    default: return group_scores<4>(q, dim, keys, values, row_stride, runs, first_run, last_run, scale, scores,
+                                    tokens);
   }
 }
 
@@ -1086,8 +1119,9 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
       const T* k_head = keys + kh * dim;
       const T* v_head = values + kh * dim;
       for (int64_t g0 = 0; g0 < group; g0 += 4)
-        scores_for(static_cast<int>(std::min<int64_t>(4, group - g0)), q.data() + g0 * dim, dim, k_head, row_stride,
-                   runs, first_run, last_run, scale, scores.data() + g0 * tokens, tokens);
+        scores_for(static_cast<int>(std::min<int64_t>(4, group - g0)), q.data() + g0 * dim, dim, k_head,
+                   g0 == 0 ? v_head : nullptr, row_stride, runs, first_run, last_run, scale,
+                   scores.data() + g0 * tokens, tokens);
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators, in place
         float* sc = scores.data() + g * tokens;
         const float top = *std::max_element(sc, sc + tokens);
