@@ -10,7 +10,8 @@ the running thread's slice. The local launcher starts Ray inside ``control_plane
 daemons and every actor they start inherit the policy; each forward role (encoder, prefill,
 decode, aggregated, a tensor-parallel rank) puts its own process back to ``SCHED_OTHER`` as it
 configures its threads (``epd.tensors.configure_threads``). ``EPD_CONTROL_BATCH=0`` leaves every
-process at the default policy. Measured in docs/BENCHMARKS.md, "The control plane as SCHED_BATCH".
+process at the default policy. Measured in docs/BENCHMARKS.md, "Prefill's elementwise passes in
+C++, the control plane as SCHED_BATCH, attention's prefetch".
 """
 
 from __future__ import annotations
