@@ -340,8 +340,9 @@ at::Tensor chunk_rule(const at::Tensor& query, const at::Tensor& key, const at::
 
 // out[b, t, c] = act(sum_k full[b, t + k, c] taps[k, c] + bias[c]) for full = [the window's last K-1
 // inputs, x] (time-major), as epd/kernels.py's causal_conv1d computes it: float32, the taps summed
-// first to last (each product rounded, then added), the bias, SiLU, one rounding to T. The new
-// window (the last K inputs, [B, C, K] as transformers keeps it) goes to new_win.
+// first to last (the compiler may fuse a product into its add: last-bit differences in float32),
+// the bias, SiLU, one rounding to T. The new window (the last K inputs, [B, C, K] as transformers
+// keeps it) goes to new_win.
 template <typename T>
 void conv_impl(const T* x, int64_t xb, int64_t xt, const T* win, int64_t wb, int64_t wc, int64_t wk,
                const float* taps, const float* bias, bool act, int64_t batch, int64_t length, int64_t channels,
