@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 
 from epd import core_share, logs
-from epd.sched import control_plane_batch
 from epd.config import DeployConfig, redact_url
+from epd.sched import control_plane_batch
 from epd.store import EmbeddingStore
 
 log = logging.getLogger(__name__)

@@ -287,7 +287,7 @@ def _vision_attention_class():
                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                     max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
             if (position_embeddings is None or not serves(hidden_states) or self.training
-                    or getattr(self.config, "_attn_implementation", "") in ("flash_attention_2", "flash_attention_3")):
+                    or qm.is_flash_attention_requested(self.config)):
                 return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
             cos, sin = position_embeddings
             length = hidden_states.shape[0]
