@@ -1,12 +1,16 @@
 """One batched decode step in a loop, for profilers: ``python -m bench.decode_step_profile MODEL
 [--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]
-[--linears replica|decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]``.
+[--linears replica|decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]
+[--no-screen]``.
 
 The runner is loaded as a decode replica loads it (merged projections, the fused
 residual add + RMSNorm, the full-attention step in two calls); ``--linears`` puts the linear
 layers where a decode replica puts them on this CPU and dtype (``replica``, the default:
 ``lm.decode_linear_default``), on epd's few-row kernel (``decode``) or on oneDNN (``onednn``); the
-other options turn each part off, to measure what each is worth.
+other options turn each part off, to measure what each is worth. Each step takes every row's
+greedy token as the served loop does for greedy rows (``TextModelRunner.decode_step_greedy``:
+the int8 screen of the LM head where the CPU has AMX-INT8; ``--no-screen``: the whole head's
+logits and ``greedy_rows``).
 
 Prints the median wall and CPU time of a step (after 3 warm-up steps), and how long the process's
 threads waited for a core a step on average (ready to run while other processes held the cores:
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument("--no-merge", dest="merge", action="store_false")
     parser.add_argument("--no-fused-norms", dest="fused_norms", action="store_false")
     parser.add_argument("--no-paged-attention", dest="paged_attention", action="store_false")
+    parser.add_argument("--no-screen", dest="screen", action="store_false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = TextModelRunner.load(args.model, dtype=args.dtype, prepack=False)
@@ -71,6 +76,8 @@ def main() -> None:
     if not args.paged_attention:
         kernels.can_attend_paged = lambda query, pool: False
         lm._fused_attention = lambda attn, x, batch: False
+    if not args.screen:
+        runner.greedy_screen = None
     vocab = runner.lm_head_weight.shape[0]
     pos, _ = positions.mrope_positions(args.context, [])
     batch = DecodeBatch(runner)
@@ -87,7 +94,7 @@ def main() -> None:
         if step == 3:  # after the warm-up steps, as the medians
             waited = runqueue_wait_s()
         wall, cpu = time.perf_counter(), time.process_time()
-        tokens = runner.decode_step(batch, tokens, [position] * args.batch).argmax(-1).tolist()
+        tokens = runner.decode_step_greedy(batch, tokens, [position] * args.batch)[0].tolist()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
         position += 1
@@ -95,7 +102,7 @@ def main() -> None:
     wait = f"{(end - waited) / args.steps * 1e3:.1f} ms" if waited is not None and end is not None else "-"
     print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s), "
           f"linears {args.linears}, merge {args.merge}, fused norms {args.fused_norms}, "
-          f"paged attention {args.paged_attention}: "
+          f"paged attention {args.paged_attention}, screen {runner.greedy_screen is not None}: "
           f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU, "
           f"waited for a core {wait} a step")
     if args.table:
@@ -103,7 +110,7 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
-                tokens = runner.decode_step(batch, tokens, [position] * args.batch).argmax(-1).tolist()
+                tokens = runner.decode_step_greedy(batch, tokens, [position] * args.batch)[0].tolist()
                 position += 1
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 

@@ -264,7 +264,7 @@ class DecodeEngine:
                 continue
             submitted = self._submitted
             try:
-                logits = self._forward(members, planned)
+                logits, rows = self._forward(members, planned)
             except Exception as error:  # noqa: BLE001 - a failed step ends its requests, never the loop
                 log.exception("decode step failed for a batch of %d", len(members))
                 if planned is not None:
@@ -277,7 +277,7 @@ class DecodeEngine:
                 joining = (submitted, len(planned.sample_chunks))
             if members:
                 with self._lock:
-                    self._publish(members, logits)
+                    self._publish(members, logits, rows)
 
     def _prepare_step(self) -> bool:
         """Under the lock: plan the step and carry the plan out. True when there is a batch to step."""
@@ -306,18 +306,33 @@ class DecodeEngine:
                 continue
             request.state = None  # the batch holds it now
 
-    def _forward(self, members: list[DecodeRequest], planned: PlannedChunks | None = None) -> torch.Tensor:
-        """The step's forward: the decode rows' logits; with ``planned`` (a chunk source's), its
-        chunks ride the same forward and the source gets their results before the rows are published."""
+    def _forward(self, members: list[DecodeRequest], planned: PlannedChunks | None = None
+                 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's forward: the decode rows' (logits, None), or, when every row takes the plain
+        argmax and the runner screens its head (``TextModelRunner.greedy``), (None, (argmax,
+        finite)); with ``planned`` (a chunk source's), its chunks ride the same forward and the
+        source gets their results before the rows are published."""
         tokens = [r.last_token for r in members]
         positions_ = [r.position for r in members]
+        # the screen pays only where no other row of the forward needs the whole head anyway
+        screened = (getattr(self.runner, "greedy_screen", None) is not None and bool(members)
+                    and all(r.sampling.plain_greedy for r in members)
+                    and (planned is None or not planned.sample_chunks))
+        logits = rows = None
         with forward_turn():
             if planned is None:
-                logits = self.runner.decode_step(self._batch, tokens, positions_)
+                if screened:
+                    rows = self.runner.decode_step_greedy(self._batch, tokens, positions_)
+                else:
+                    logits = self.runner.decode_step(self._batch, tokens, positions_)
             else:
                 out = self.runner.mixed_step(planned.chunks, self._batch if members else None, tokens, positions_,
-                                             planned.sample_chunks, planned.every_row, planned.splits)
-                logits = out.decode_logits
+                                             planned.sample_chunks, planned.every_row, planned.splits,
+                                             decode_head=not screened)
+                if screened:
+                    rows = self.runner.greedy(out.decode_hidden)
+                else:
+                    logits = out.decode_logits
         if planned is not None:
             self._source.chunks_ran(planned, out, None)
             self.mixed_steps += bool(members)
@@ -326,15 +341,18 @@ class DecodeEngine:
             self.steps += 1
             self.batch_sizes_total += len(members)
             self.largest_batch = max(self.largest_batch, len(members))
-        return logits
+        return logits, rows
 
-    def _publish(self, members: list[DecodeRequest], logits: torch.Tensor) -> None:
+    def _publish(self, members: list[DecodeRequest], logits: torch.Tensor | None,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Under the lock: sample each row and hand the token to its request. A row whose logits
-        are not finite (a numerical blow-up in that request alone) fails only that request."""
+        are not finite (a numerical blow-up in that request alone) fails only that request.
+        ``rows``: (argmax, finite) of a step whose rows all take the plain argmax, without logits."""
         # rows whose choice is the plain argmax (greedy, nothing changes the logits, no logprobs)
         # take the first-maximum index ``sample`` would pick, from one batched pass
         plain = [request.sampling.plain_greedy for request in members]
-        rows = kernels.greedy_rows(logits)  # the index and the finite check in one read of the logits
+        if rows is None:
+            rows = kernels.greedy_rows(logits)  # the index and the finite check in one read of the logits
         if rows is not None:
             argmax, finite = rows[0].tolist(), rows[1].tolist()
         else:

@@ -209,6 +209,12 @@ def decode_tiles() -> bool:
     return decode_ops() and bool(torch.ops.epd_decode.tiles())
 
 
+def decode_screens() -> bool:
+    """Whether greedy rows' LM head can be screened on int8 AMX tiles in this process
+    (``epd/csrc/greedy_screen.h``: a CPU with AMX-INT8, ``EPD_DECODE_AMX`` not ``0``)."""
+    return decode_ops() and bool(torch.ops.epd_decode.screens())
+
+
 def _load_decode_ops() -> bool:
     try:
         if "decode_loaded" not in _state:

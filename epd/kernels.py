@@ -21,6 +21,8 @@ decode steps) and ``MergedLinear`` (projections that read the same input as one 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
@@ -511,6 +513,73 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not fused.decode_ops():
         return None
     return torch.ops.epd_decode.greedy_rows(logits if logits.stride(1) == 1 else logits.contiguous())
+
+
+class GreedyScreen:
+    """The LM head of greedy rows, screened: each row's first-maximum index over the vocabulary as
+    the full head's logits give it, reading an int8 copy of the head (half the bytes of
+    bfloat16, a quarter of float32) instead of the head.
+
+    ``torch.ops.epd_decode.screen`` multiplies the rows by the int8 copy on AMX tiles and bounds
+    each logit (the copy's rounding, the rows' own, the float32 sums'); only the columns whose
+    upper bound reaches a row's best lower bound can hold its maximum (with bfloat16 logits, two
+    bfloat16 steps below it: ties after rounding stay in). Those columns are multiplied by the
+    head's own panels with the head's own kernel, so their logits are bit for bit the full head's,
+    and the first maximum among them (ascending) is the full head's first maximum
+    (``epd/csrc/greedy_screen.h`` has the bounds). Why: the head is a third of the bytes a decode
+    step streams (508 of ~1,500 MB for qwen3.5-0.8b in bfloat16).
+
+    ``argmax`` returns None (the caller multiplies the whole head) when a row is not finite or
+    too many columns remain (rows with no clear maximum, as an all-zero row)."""
+
+    def __init__(self, head: "DecodeLinear", weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != (head.out_features, head.in_features):
+            raise ValueError(f"the screen's weight {tuple(weight.shape)} is not the head's "
+                             f"{(head.out_features, head.in_features)}")
+        self.head = head
+        self.packed, self.scale, self.l1 = torch.ops.epd_decode.pack_i8(weight.detach())
+        self.screened = 0  # products answered from the screen
+        self.full = 0  # ... and those that fell back to the whole head
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.l1))
+
+    def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``hidden [B, K]`` (final-normed) -> (each row's first-maximum index ``[B]`` int64, the
+        rows' finite flags ``[B]``: all true), as ``greedy_rows(head.forward_float(hidden))``;
+        None when the screen leaves too much (then nothing was computed for the head)."""
+        rows = hidden.reshape(-1, self.head.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        n = self.head.out_features
+        columns = torch.ops.epd_decode.screen(rows, self.packed, self.scale, self.l1, n,
+                                              self.head.dtype == torch.bfloat16)
+        if columns.numel() == 0:
+            self.full += 1
+            return None
+        self.screened += 1
+        logits = torch.ops.epd_decode.linear_float(rows, self._panels(columns), columns.numel(), None)
+        index, finite = torch.ops.epd_decode.greedy_rows(logits)
+        return columns[index], finite
+
+    def _panels(self, columns: torch.Tensor) -> torch.Tensor:
+        """The head's packed panels of ``columns`` only (in order, the last repeated to a whole panel)."""
+        packed = self.head.weight  # [panels, K / step, 16 * step]
+        panels, steps, lanes = packed.shape
+        step = lanes // 16
+        pad = -columns.numel() % 16
+        if pad:
+            columns = torch.cat([columns, columns[-1:].expand(pad)])
+        picked = packed.view(panels, steps, 16, step)[columns // 16, :, columns % 16]  # [C, steps, step]
+        return picked.view(-1, 16, steps, step).transpose(1, 2).reshape(-1, steps, lanes).contiguous()
+
+
+def can_screen(head, weight: torch.Tensor) -> bool:
+    """Whether ``GreedyScreen`` serves this LM head: epd's few-row kernel holds it, the CPU and
+    build have AMX-INT8, ``EPD_GREEDY_SCREEN`` is not ``0``."""
+    return (isinstance(head, DecodeLinear) and weight.device.type == "cpu"
+            and os.environ.get("EPD_GREEDY_SCREEN", "1") != "0" and fused.decode_screens())
 
 
 def attention_decode_inputs(query_gate: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_norm, k_norm,

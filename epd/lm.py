@@ -117,10 +117,13 @@ class TextModelRunner:
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     layer_types: list[str] = field(init=False)
     lm_head: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
+    # greedy rows' LM head through an int8 screen (kernels.GreedyScreen), where a decode runner has one
+    greedy_screen: kernels.GreedyScreen | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.model.config.layer_types)
         self.lm_head = functools.partial(F.linear, weight=self.lm_head_weight)
+        self.greedy_screen = None
 
     @classmethod
     def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None,
@@ -156,7 +159,9 @@ class TextModelRunner:
         become one product each (``merge_projections``; measured on decode steps only, so prefill
         keeps them apart). The LM head is packed as a copy: its tied embedding table still needs
         the dense layout for lookups. A tensor-parallel shard passes ``head=False`` (its head is
-        the rank's vocabulary rows, ``VocabParallelHead``)."""
+        the rank's vocabulary rows, ``VocabParallelHead``). A decode runner whose head is the
+        few-row kernel's also screens greedy rows' head (``kernels.GreedyScreen``, where the CPU
+        has AMX-INT8): ``decode_step_greedy``."""
         if few_rows is None:
             few_rows = decode_linear_default(self.dtype)
         make = _linear_maker(self.dtype, decode and few_rows)
@@ -165,6 +170,8 @@ class TextModelRunner:
         kernels.prepack_linears(self.model, make)
         if head:
             self.lm_head = make(self.lm_head_weight)
+            if decode and kernels.can_screen(self.lm_head, self.lm_head_weight):
+                self.greedy_screen = kernels.GreedyScreen(self.lm_head, self.lm_head_weight)
 
     def prepare_decode_kernels(self) -> bool:
         """Build (or load the cached builds of) the fused decode-step kernels now rather than in the
@@ -288,17 +295,45 @@ class TextModelRunner:
         return one_pass(hidden) if one_pass is not None else self.lm_head(hidden).float()
 
     @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final-normed rows ``[B, hidden]`` -> (each row's first-maximum logit index ``[B]``, the
+        rows' finite flags ``[B]``): through the greedy screen where the runner has one and it
+        answers, otherwise from the whole head's logits."""
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if self.greedy_screen is not None:
+            rows = self.greedy_screen.argmax(hidden)
+            if rows is not None:
+                return rows
+        logits = self.logits(hidden)
+        rows = kernels.greedy_rows(logits)
+        if rows is not None:
+            return rows
+        low, high = logits.amin(dim=-1), logits.amax(dim=-1)
+        return logits.argmax(dim=-1), torch.isfinite(low) & torch.isfinite(high)
+
+    @torch.inference_mode()
     def decode_step(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Advance every request of ``batch`` (in slot order) by one token.
 
         ``token_ids[i]`` is slot i's last token and ``positions[i]`` its position (a text token's
         three M-RoPE components are equal). Returns float32 logits ``[batch, vocab]``.
         """
+        return self.logits(self._decode_hidden(batch, token_ids, positions))
+
+    @torch.inference_mode()
+    def decode_step_greedy(self, batch: BatchBuffers, token_ids: list[int],
+                           positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_step`` for a batch whose every row takes the plain argmax: (each row's first
+        maximum index, its finite flag), as ``greedy`` gives them, without the logits."""
+        return self.greedy(self._decode_hidden(batch, token_ids, positions))
+
+    def _decode_hidden(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """``decode_step``'s forward: the final-normed rows ``[B, hidden]``, before the LM head."""
         size = len(batch)
         if size == 0:
             raise ValueError("decode_step needs one token and position per slot (0), got an empty batch")
         if not self._fused_norms():
-            return self.mixed_step([], batch, token_ids, positions).decode_logits
+            return self.mixed_step([], batch, token_ids, positions, decode_head=False).decode_hidden
         # a decode-only step with the C++ decode kernels: residual adds folded into the norms
         if len(token_ids) != size or len(positions) != size:
             raise ValueError(f"decode_step needs one token and position per slot ({size}), "
@@ -314,7 +349,7 @@ class TextModelRunner:
     def mixed_step(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
                    token_ids: list[int], positions: list[int], sample_chunks: frozenset[int] = frozenset(),
                    every_row: frozenset[int] = frozenset(),
-                   splits: dict[int, Sequence[int]] | None = None) -> StepOutput:
+                   splits: dict[int, Sequence[int]] | None = None, decode_head: bool = True) -> StepOutput:
         """Prefill chunks and a decode step in one forward: one pass over the weights for both.
 
         ``chunks`` as ``forward_many`` (each on top of its own state, updated in place); ``batch``
@@ -324,7 +359,9 @@ class TextModelRunner:
         by the decode rows; only the mixing cores run apart: the chunked Gated DeltaNet and prefill
         attention per chunk, the fused (or recurrent) GDN step and paged decode attention for the
         batch. The LM head runs once, over the decode rows and the last rows of the chunks named
-        in ``sample_chunks`` (those whose prompt ends there), nothing else.
+        in ``sample_chunks`` (those whose prompt ends there), nothing else. ``decode_head=False``
+        leaves the decode rows out of it: their final-normed rows are ``StepOutput.decode_hidden``
+        instead (for ``greedy``).
 
         ``splits``: chunk -> token offsets inside it (0 < offset < its length) where its state is
         wanted as well (prefix-cache snapshots, ``StepOutput.snapshots``). The mixing cores run
@@ -354,14 +391,16 @@ class TextModelRunner:
                 if chunks else hidden.new_empty(0, hidden.shape[-1]))
         sampled = sorted(sample_chunks)
         heads = [last[sampled]] if sampled else []
-        if size:
-            heads.append(self.model.norm(hidden[0, sum(lengths):]))
+        decode_rows = self.model.norm(hidden[0, sum(lengths):]) if size else None
+        if decode_rows is not None and decode_head:
+            heads.append(decode_rows)
         # [S + B, vocab]: one LM-head product for every row that samples
         logits = (self.logits(torch.cat(heads) if len(heads) > 1 else heads[0]) if heads
                   else torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
         return StepOutput(last_hidden=last, rows=rows,
                           chunk_logits={i: logits[k] for k, i in enumerate(sampled)},
-                          decode_logits=logits[len(sampled):], snapshots=snapshots)
+                          decode_logits=logits[len(sampled):] if decode_head else None, snapshots=snapshots,
+                          decode_hidden=None if decode_head else decode_rows)
 
     def _layers(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
                 token_ids: list[int], positions: list[int], splits: dict[int, Sequence[int]],
@@ -455,7 +494,7 @@ class TextModelRunner:
             normed = _add_norm(out, residual, layer.post_attention_layernorm).view(size, 1, -1)
             out = _mlp(layer.mlp, normed)
         batch.advance()
-        return self.logits(_add_norm(out, residual, self.model.norm))
+        return _add_norm(out, residual, self.model.norm)
 
 
 @dataclass
@@ -465,9 +504,10 @@ class StepOutput:
     last_hidden: torch.Tensor  # [num_chunks, hidden]: each chunk's last row, final norm
     rows: dict[int, torch.Tensor]  # chunk -> [T_i, hidden] every row, final norm (the chunks in every_row)
     chunk_logits: dict[int, torch.Tensor]  # chunk -> float32 [vocab] of its last row (the chunks in sample_chunks)
-    decode_logits: torch.Tensor  # float32 [batch, vocab], slot order
+    decode_logits: torch.Tensor | None  # float32 [batch, vocab], slot order (None: decode_head=False)
     # chunk -> its state at each of its splits, in order (``mixed_step``'s splits)
     snapshots: dict[int, list[HybridState]] = field(default_factory=dict)
+    decode_hidden: torch.Tensor | None = None  # [batch, hidden] final-normed (mixed_step's decode_head=False)
 
 
 @dataclass

@@ -431,3 +431,103 @@ def test_decode_linear_float_output_is_the_product_then_float(dtype, rows, ops):
         got = layer.forward_float(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 1, 101)
         assert torch.equal(got, layer(x).float())
+
+
+@pytest.fixture
+def screens(ops):
+    if not fused.decode_screens():
+        pytest.skip("the greedy screen needs AMX-INT8 (this CPU or build has none)")
+
+
+def _full_argmax(head: kernels.DecodeLinear, x: torch.Tensor) -> torch.Tensor:
+    return kernels.greedy_rows(head.forward_float(x))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 33])
+@pytest.mark.parametrize("shape", [(4099, 96), (20000, 1024)])
+def test_the_greedy_screen_is_the_full_heads_first_maximum(dtype, rows, shape, screens):
+    """kernels.GreedyScreen against the whole head's logits (the same kernel, greedy_rows' first
+    maximum): equal indices for every row, with exact ties in the head (duplicated rows that are
+    a row's maximum: the first one must win), an outlier feature, a vocabulary that is not whole
+    panels and a width that is not whole int8 tile steps. Its exact product of the columns left
+    is bit for bit the head's."""
+    vocab, width = shape
+    gen = torch.Generator().manual_seed(rows * 31 + vocab)
+    weight = torch.randn(vocab, width, generator=gen) * 0.02
+    # near duplicates of column 11, closer to it than the int8 copy can tell apart: which is the
+    # largest only the exact product knows (a screen that dropped on its estimate alone fails)
+    near = torch.arange(40, 40 + 60 * 7, 7)
+    weight[near] = weight[11] + torch.randn(len(near), width, generator=gen) * 2e-4
+    weight[vocab - 3] = weight[11]  # exact duplicates: their logits tie in every row
+    weight[vocab // 2] = weight[11]
+    weight = weight.to(dtype)
+    head = kernels.DecodeLinear(weight)
+    screen = kernels.GreedyScreen(head, weight)
+    x = torch.randn(rows, width, generator=gen) * 3
+    x[1 % rows] = weight[11].float() * 30 + x[1 % rows]  # near ties with some noise
+    x[0] = weight[11].float() * 500  # row 0's maximum: column 11, its two copies or a near one
+    if rows > 2:
+        x[2, 5] *= 40  # an outlier feature
+    x = x.to(dtype)
+    got = screen.argmax(x)
+    assert got is not None and screen.screened == 1 and screen.full == 0
+    index, finite = got
+    assert index.tolist() == _full_argmax(head, x).tolist() and finite.all()
+    assert index[0].item() in [11, *near.tolist()]
+    columns = torch.ops.epd_decode.screen(x, screen.packed, screen.scale, screen.l1, vocab,
+                                          dtype == torch.bfloat16)
+    assert 0 < columns.numel() < vocab // 4 and bool((columns[1:] > columns[:-1]).all())
+    assert torch.equal(torch.ops.epd_decode.linear_float(x, screen._panels(columns), columns.numel(), None),
+                       head.forward_float(x)[:, columns])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_screen_steps_aside_where_it_cannot_decide(dtype, screens):
+    """A row with no clear maximum (all zeros: every logit 0, too many columns left) or a row that
+    is not finite: the screen answers None and the caller multiplies the whole head, whose
+    greedy_rows reports the row not finite; TextModelRunner.greedy does exactly that."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(9000, 64, generator=gen) * 0.02).to(dtype)
+    head = kernels.DecodeLinear(weight)
+    screen = kernels.GreedyScreen(head, weight)
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    assert screen.argmax(x) is not None
+    zero = x.clone()
+    zero[1] = 0
+    assert screen.argmax(zero) is None
+    bad = x.clone()
+    bad[2, 7] = float("nan")
+    assert screen.argmax(bad) is None and screen.full == 2
+    with pytest.raises(ValueError, match="not the head's"):
+        kernels.GreedyScreen(head, weight[:100])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_runner_screens_greedy_rows(dtype, tiny_model_dir, screens, monkeypatch):
+    """A decode runner (prepack_linears(decode=True)) has the screen, and decode_step_greedy gives
+    the tokens decode_step's logits give, step after step; EPD_GREEDY_SCREEN=0 turns it off."""
+    runner = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
+    assert runner.greedy_screen is not None
+    twin = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
+    vocab = runner.lm_head_weight.shape[0]
+    batches, tokens = [], []
+    for r in (runner, twin):
+        batch = DecodeBatch(r)
+        for slot in range(5):
+            ids = torch.randint(0, vocab, (9 + slot,), generator=torch.Generator().manual_seed(slot))
+            pos, _ = positions.mrope_positions(len(ids), [])
+            state = r.new_state()
+            r.forward(r.embed(ids), pos, state)
+            batch.add(state)
+        batches.append(batch)
+    tokens = [7, 8, 9, 10, 11]
+    for step in range(6):
+        places = [9 + slot + step for slot in range(5)]
+        index, finite = runner.decode_step_greedy(batches[0], tokens, places)
+        logits = twin.decode_step(batches[1], tokens, places)
+        assert index.tolist() == logits.argmax(-1).tolist() and finite.all()
+        tokens = index.tolist()
+    assert runner.greedy_screen.screened == 6
+    monkeypatch.setenv("EPD_GREEDY_SCREEN", "0")
+    assert TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True).greedy_screen is None

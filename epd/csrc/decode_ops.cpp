@@ -71,6 +71,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -459,6 +460,8 @@ inline bool amx_takes(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 #endif  // EPD_DECODE_AMX
+
+#include "greedy_screen.h"
 
 // A bfloat16 product: on the tiles where they take it, otherwise on the registers.
 template <typename E>
@@ -1308,6 +1311,15 @@ bool tiles() {
 #endif
 }
 
+// Whether greedy rows' LM head can be screened on int8 tiles (greedy_screen.h) in this build and process.
+bool screens() {
+#ifdef EPD_DECODE_SCREEN
+  return amx_enabled();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(epd_decode, m) {
   m.def("tiles() -> bool", &tiles);
   m.def("pack(Tensor weight) -> Tensor");
@@ -1320,6 +1332,11 @@ TORCH_LIBRARY(epd_decode, m) {
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
         "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write) -> Tensor");
   m.def("greedy_rows(Tensor logits) -> (Tensor, Tensor)");
+  m.def("screens() -> bool", &screens);
+#ifdef EPD_DECODE_SCREEN
+  m.def("pack_i8(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("screen(Tensor x, Tensor packed, Tensor scale, Tensor l1, int n, bool bf16_logits) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
@@ -1332,4 +1349,8 @@ TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("attend", &attend);
   m.impl("attention_inputs", &attention_inputs);
   m.impl("greedy_rows", &greedy_rows);
+#ifdef EPD_DECODE_SCREEN
+  m.impl("pack_i8", &pack_i8);
+  m.impl("screen", &screen);
+#endif
 }

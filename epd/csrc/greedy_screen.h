@@ -1,0 +1,299 @@
+// The LM head of a greedy decode step, screened on int8 tiles (included by decode_ops.cpp inside
+// its anonymous namespace, after the AMX section: it uses on_team, kPanel and the tiles' grant).
+//
+// Why: a greedy row needs the index of its largest logit, not the logits, and the LM head is a
+// third of the bytes a decode step streams (248,320 x 1,024 bfloat16: 508 MB of qwen3.5-0.8b's
+// ~1.5 GB a step). The screen reads an int8 copy of the head instead (254 MB) and, for each row
+// and column, a certain interval around the column's logit; only the columns whose interval
+// reaches the row's best lower bound can hold the maximum (a few dozen of 248,320), and those are
+// multiplied exactly, by the same kernel and panels as the full head (``linear_float``), so the
+// index is the one the full head's logits give, first maximum included (the caller does that
+// product, ``kernels.GreedyScreen``).
+//
+// The interval. Each head row i is w_i = s_i q_i + b_i with q_i int8 (round to nearest of w / s_i,
+// s_i = max |w_i| / 127, so |b_ij| <= s_i / 2). Each activation row h (the step's final-normed
+// hidden, exact in float) is taken in two int8 levels, h = sh1 q1 + sh2 q2 + a (the second level
+// quantizes the first's remainder, so |a_j| <= sh2 / 2, about |h|max / 32,000). The tiles give the
+// integer dots d1 = q1 . q_i and d2 = q2 . q_i exactly (int32), and
+//   h . w_i = s_i (sh1 d1 + sh2 d2) + s_i (a . q_i) + h . b_i
+//   |h . w_i - s_i (sh1 d1 + sh2 d2)| <= s_i (max|a| ||q_i||_1 + ||h||_1 / 2).
+// The exact kernel's float32 sum differs from h . w_i by at most gamma_K sum_j |h_j w_ij| <=
+// gamma_K ||h||_1 127 s_i (gamma_K = K u / (1 - K u), u = 2^-24), and the float32 evaluation of
+// the approximation by a few u of its terms; the bound adds both, and a relative 1e-5 besides.
+// A column is dropped when its upper end is below the row's best lower end L: then its sum is
+// below the largest sum. With bfloat16 logits (the head's values are rounded once, and greedy
+// takes the first of equal maxima) it is dropped only below L - |L| / 64: two bfloat16 steps under
+// L, where rounding cannot make it equal the maximum's rounded value.
+#if defined(EPD_DECODE_AMX) && defined(__AMX_INT8__)
+#define EPD_DECODE_SCREEN 1
+
+constexpr int64_t kScreenStep = 64;           // k values per int8 tile step (64 bytes a tile row)
+constexpr int64_t kScreenMaxCandidates = 4096;  // more: the caller multiplies the whole head instead
+constexpr float kUnit = 5.9604645e-08f;       // 2^-24
+
+// Each row of a [N, K] weight in int8 at its own scale, laid out as the tiles' B operand:
+// [N/16 panels][Kp/4][16 columns][4 k] with Kp = K rounded up to 64 (zeros past K, and zero rows
+// past N). Returns (packed int8, scale float [N], ||q_i||_1 float [N]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_i8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "epd_decode.pack_i8: a 2-D CPU weight");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "epd_decode.pack_i8: bfloat16 or float32, got ", weight.scalar_type());
+  const at::Tensor w = weight.contiguous().to(at::kFloat);
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t kp = (k + kScreenStep - 1) / kScreenStep * kScreenStep, panels = (n + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, kp / 4, kPanel * 4}, weight.options().dtype(at::kChar));
+  at::Tensor scale = at::zeros({n}, weight.options().dtype(at::kFloat));
+  at::Tensor l1 = at::zeros({n}, weight.options().dtype(at::kFloat));
+  const float* src = w.data_ptr<float>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* lp = l1.data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = src + i * k;
+      float top = 0.f;
+      for (int64_t j = 0; j < k; ++j) top = std::max(top, std::fabs(row[j]));
+      TORCH_CHECK(std::isfinite(top), "epd_decode.pack_i8: row ", i, " of the weight is not finite");
+      const float s = top / 127.f;
+      sp[i] = s;
+      if (s == 0.f) continue;  // q = 0, ||q||_1 = 0: the row's logits are exactly 0
+      int64_t sum = 0;
+      int8_t* panel = dst + (i / kPanel) * kp * kPanel;
+      const int64_t lane = i % kPanel;
+      for (int64_t j = 0; j < k; ++j) {
+        const int q = static_cast<int>(std::clamp(std::nearbyint(row[j] / s), -127.f, 127.f));
+        panel[(j / 4) * kPanel * 4 + lane * 4 + j % 4] = static_cast<int8_t>(q);
+        sum += std::abs(q);
+      }
+      lp[i] = static_cast<float>(sum);
+    }
+  });
+  return {packed, scale, l1};
+}
+
+// One activation row in two int8 levels (see above) and the figures its bounds need.
+struct ScreenRow {
+  float sh1 = 0.f, sh2 = 0.f;  // the two levels' scales
+  float norm1 = 0.f;           // ||h||_1, rounded up
+  float rest = 0.f;            // max |a|, rounded up
+  bool finite = true;
+};
+
+template <typename T>
+ScreenRow quantize_row(const T* x, int64_t k, int64_t kp, int8_t* q1, int8_t* q2) {
+  ScreenRow row;
+  double norm1 = 0.0;
+  float top = 0.f;
+  for (int64_t j = 0; j < k; ++j) {
+    const float v = static_cast<float>(x[j]);
+    norm1 += std::fabs(v);
+    top = std::max(top, std::fabs(v));
+  }
+  if (!std::isfinite(norm1) || !std::isfinite(top)) {
+    row.finite = false;
+    return row;
+  }
+  std::memset(q1, 0, kp);
+  std::memset(q2, 0, kp);
+  row.norm1 = static_cast<float>(norm1 * (1.0 + 1e-6));
+  if (top == 0.f) return row;
+  row.sh1 = top / 127.f;
+  std::vector<double> remainder(k);
+  double top2 = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const float v = static_cast<float>(x[j]);
+    const int q = static_cast<int>(std::clamp(std::nearbyint(v / row.sh1), -127.f, 127.f));
+    q1[j] = static_cast<int8_t>(q);
+    remainder[j] = static_cast<double>(v) - static_cast<double>(q) * row.sh1;  // exact in double
+    top2 = std::max(top2, std::fabs(remainder[j]));
+  }
+  double rest = top2;  // with no second level, the remainder is all of a
+  if (top2 > 0.0) {
+    row.sh2 = static_cast<float>(top2 / 127.0);
+    rest = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const float q = std::clamp(std::nearbyint(static_cast<float>(remainder[j] / row.sh2)), -127.f, 127.f);
+      q2[j] = static_cast<int8_t>(q);
+      rest = std::max(rest, std::fabs(remainder[j] - static_cast<double>(q) * row.sh2));
+    }
+  }
+  row.rest = static_cast<float>(rest * (1.0 + 1e-6));
+  return row;
+}
+
+inline void configure_screen_tiles(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {  // 0-3: int32 sums (level 1 and 2 of two panels), 4-5: q1, q2
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {  // the two panels' int8 weight
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // see configure_tiles
+  _tile_loadconfig(&cfg);
+}
+
+struct Found {
+  int32_t row, column;
+  float upper;
+};
+
+// The columns of the head that may hold the maximum of some row of x: sorted, each once; empty
+// when a row is not finite or more than kScreenMaxCandidates columns remain (the caller then
+// multiplies the whole head).
+at::Tensor screen(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& l1,
+                  int64_t n, bool bf16_logits) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "epd_decode.screen: x must be 2-D bfloat16 or float32, rows contiguous");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kPanel * 4,
+              "epd_decode.screen: the packed weight must come from pack_i8");
+  const int64_t m = x.size(0), k = x.size(1), kp = packed.size(1) * 4, panels = packed.size(0);
+  TORCH_CHECK(k <= kp && kp - k < kScreenStep, "epd_decode.screen: x has ", k, " features, the weight ", kp);
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel && scale.numel() == n && l1.numel() == n &&
+                  scale.scalar_type() == at::kFloat && l1.scalar_type() == at::kFloat,
+              "epd_decode.screen: bad n, scale or l1");
+  TORCH_CHECK(m >= 1 && m <= 256, "epd_decode.screen: 1 to 256 rows");
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
+  if (!amx_enabled()) return none;
+
+  // the rows in two levels, zero-padded to whole tiles of 16 rows
+  const int64_t blocks = (m + 15) / 16;
+  std::vector<int8_t> q1(blocks * 16 * kp, 0), q2(blocks * 16 * kp, 0);
+  std::vector<ScreenRow> rows(blocks * 16);
+  for (int64_t r = 0; r < m; ++r) {
+    rows[r] = x.scalar_type() == at::kBFloat16
+                  ? quantize_row(x.data_ptr<c10::BFloat16>() + r * x.stride(0), k, kp, &q1[r * kp], &q2[r * kp])
+                  : quantize_row(x.data_ptr<float>() + r * x.stride(0), k, kp, &q1[r * kp], &q2[r * kp]);
+    if (!rows[r].finite) return none;
+  }
+  const float gamma = static_cast<float>(k) * kUnit / (1.f - static_cast<float>(k) * kUnit);
+  // per s_i ||h||_1: the weight's rounding (1/2, and 127u for w / s_i's own) and the exact sum's
+  const float half = 0.5f + 1e-4f + 127.001f * gamma;
+
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* lp = l1.data_ptr<float>();
+  const int64_t panel_bytes = kp * kPanel;
+  const int64_t grain = std::max<int64_t>(4, (64 << 10) / panel_bytes);
+  const int64_t tasks = (panels + grain - 1) / grain;
+  const float below = bf16_logits ? 1.f / 64.f + 1e-6f : 1e-6f;  // the drop line under L, relative
+  std::atomic<int64_t> next{0};
+  std::mutex merge;
+  std::vector<float> best_lower(m, -std::numeric_limits<float>::infinity());
+  std::vector<Found> found;
+  on_team(tasks, [&]() {
+    // per row: this thread's lower ends so far, lane by lane, and the drop line they give (the
+    // line is raised at each task's end: a lower line only keeps more columns for the final cut)
+    std::vector<float> lanes(m * 16, -std::numeric_limits<float>::infinity());
+    std::vector<float> line(m, -std::numeric_limits<float>::infinity());
+    std::vector<Found> mine;
+    alignas(64) int32_t sums[4][16][16];
+    alignas(64) float upper[16];
+    const __m512 v_half = _mm512_set1_ps(half), v_unit = _mm512_set1_ps(8.f * kUnit);
+    const __m512 v_rel = _mm512_set1_ps(1.f + 1e-5f), v_abs = _mm512_set1_ps(1e-6f), v_tiny = _mm512_set1_ps(1e-30f);
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int configured = 0;
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t end = std::min(panels, (task + 1) * grain);
+      for (int64_t p = task * grain; p < end; p += 2) {
+        const bool pair = p + 1 < end;
+        const int8_t* w0 = wp + p * panel_bytes;
+        const int8_t* w1 = w0 + panel_bytes;
+        for (int64_t block = 0; block < blocks; ++block) {
+          const int64_t r0 = block * 16, nrows = std::min<int64_t>(16, m - r0);
+          if (configured != nrows) {
+            if (configured) _tile_release();
+            configure_screen_tiles(static_cast<int>(nrows));
+            configured = static_cast<int>(nrows);
+          }
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t s = 0; s < kp / kScreenStep; ++s) {
+            if (block == 0)
+              for (int64_t at = 0; at < 1024; at += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(w0 + s * 1024 + at) + kPrefetchBytes, _MM_HINT_T1);
+                if (pair) _mm_prefetch(reinterpret_cast<const char*>(w1 + s * 1024 + at) + kPrefetchBytes, _MM_HINT_T1);
+              }
+            _tile_loadd(4, &q1[r0 * kp + s * kScreenStep], kp);
+            _tile_loadd(5, &q2[r0 * kp + s * kScreenStep], kp);
+            _tile_loadd(6, w0 + s * 1024, 64);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 5, 6);
+            if (pair) {
+              _tile_loadd(7, w1 + s * 1024, 64);
+              _tile_dpbssd(2, 4, 7);
+              _tile_dpbssd(3, 5, 7);
+            }
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(1, sums[1], 64);
+          if (pair) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+          }
+          for (int64_t j = 0; j < (pair ? 2 : 1); ++j) {
+            const int64_t col = (p + j) * kPanel;
+            const int64_t valid = std::min<int64_t>(kPanel, n - col);
+            const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+            const __m512 s_i = _mm512_maskz_loadu_ps(mask, sp + col);
+            const __m512 l1_i = _mm512_maskz_loadu_ps(mask, lp + col);
+            for (int64_t r = 0; r < nrows; ++r) {
+              const ScreenRow& row = rows[r0 + r];
+              const int64_t gr = r0 + r;
+              const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(row.sh1), _mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * j][r])));
+              const __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(row.sh2), _mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * j + 1][r])));
+              const __m512 approx = _mm512_mul_ps(s_i, _mm512_add_ps(t1, t2));
+              // s_i (||h||_1 half + max|a| ||q_i||_1 + 8u (|t1| + |t2|)), then the relative margins
+              __m512 err = _mm512_fmadd_ps(_mm512_set1_ps(row.norm1), v_half, _mm512_mul_ps(_mm512_set1_ps(row.rest), l1_i));
+              err = _mm512_fmadd_ps(v_unit, _mm512_add_ps(_mm512_abs_ps(t1), _mm512_abs_ps(t2)), err);
+              err = _mm512_mul_ps(_mm512_mul_ps(s_i, err), v_rel);
+              err = _mm512_add_ps(_mm512_fmadd_ps(v_abs, _mm512_abs_ps(approx), err), v_tiny);
+              const __m512 lo = _mm512_mask_blend_ps(mask, minus_inf, _mm512_sub_ps(approx, err));
+              const __m512 hi = _mm512_mask_blend_ps(mask, minus_inf, _mm512_add_ps(approx, err));
+              float* lane_lo = &lanes[gr * 16];
+              _mm512_storeu_ps(lane_lo, _mm512_max_ps(_mm512_loadu_ps(lane_lo), lo));
+              __mmask16 keep = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(line[gr]), _CMP_GE_OQ) & mask;
+              if (keep) {
+                _mm512_store_ps(upper, hi);
+                for (; keep; keep &= keep - 1) {
+                  const int lane = __builtin_ctz(keep);
+                  mine.push_back({static_cast<int32_t>(gr), static_cast<int32_t>(col + lane), upper[lane]});
+                }
+              }
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const float l = _mm512_reduce_max_ps(_mm512_loadu_ps(&lanes[r * 16]));
+        line[r] = l - std::fabs(l) * below - 1e-30f;
+      }
+    }
+    if (configured) _tile_release();
+    std::lock_guard<std::mutex> hold(merge);
+    for (int64_t r = 0; r < m; ++r)
+      best_lower[r] = std::max(best_lower[r], _mm512_reduce_max_ps(_mm512_loadu_ps(&lanes[r * 16])));
+    found.insert(found.end(), mine.begin(), mine.end());
+  });
+  std::vector<int64_t> columns;
+  for (const Found& f : found) {
+    const float l = best_lower[f.row];
+    if (!std::isfinite(l) || !std::isfinite(f.upper)) return none;
+    if (f.upper >= l - std::fabs(l) * below - 1e-30f) columns.push_back(f.column);
+  }
+  std::sort(columns.begin(), columns.end());
+  columns.erase(std::unique(columns.begin(), columns.end()), columns.end());
+  if (columns.empty() || static_cast<int64_t>(columns.size()) > kScreenMaxCandidates) return none;
+  at::Tensor out = at::empty({static_cast<int64_t>(columns.size())}, x.options().dtype(at::kLong));
+  std::memcpy(out.data_ptr<int64_t>(), columns.data(), columns.size() * sizeof(int64_t));
+  return out;
+}
+
+#endif  // EPD_DECODE_AMX && __AMX_INT8__
