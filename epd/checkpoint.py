@@ -129,6 +129,10 @@ def _make_config(text: dict, vision: dict, initializer_range: float, family: Fam
         hidden_act="silu",
         rms_norm_eps=1e-6,
         linear_conv_kernel_dim=4,
+        # Published Qwen3.5 checkpoints keep Gated DeltaNet's recurrent state in float32 and say
+        # so here; vLLM reads it (without it vLLM keeps the state in the model's dtype), and epd's
+        # state is float32 in both dtypes.
+        mamba_ssm_dtype="float32",
     )
     vision = dict(vision, initializer_range=initializer_range, hidden_act="gelu_pytorch_tanh", in_channels=3)
     return family.config(

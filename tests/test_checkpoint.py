@@ -72,6 +72,9 @@ def test_tiny_files(tiny_dir):
     gen = json.loads((tiny_dir / "generation_config.json").read_text())
     cfg = read_config(tiny_dir)
     assert gen["eos_token_id"] == [cfg.text_config.eos_token_id, cfg.text_config.pad_token_id]
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    # As published Qwen3.5 checkpoints say: vLLM keeps the recurrent state in this dtype.
+    assert raw["text_config"]["mamba_ssm_dtype"] == "float32"
     pre = json.loads((tiny_dir / "preprocessor_config.json").read_text())
     assert pre["image_processor_type"] == "Qwen2VLImageProcessor" and pre["merge_size"] == 2
 
