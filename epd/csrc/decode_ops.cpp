@@ -260,7 +260,9 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bia
 // oneDNN while the threads keep claiming tasks from a counter (docs/BENCHMARKS.md, "A CPU with
 // AMX"). 1-4 rows stay on the register path, which already streams at the memory's rate.
 constexpr int64_t kAmxMinRows = 5;
-constexpr int64_t kAmxChunkRows = 512;  // rows of x a wide task reads (1 MiB of a 1,024-wide x: L2)
+// rows of x a wide task reads: 1 MiB of them (L2), 512 rows of a 1,024-wide x, 128 of a 3,584-wide
+// one (at 512 rows those were 3.5 MiB, read again from L3 for each pair of panels)
+constexpr int64_t kAmxChunkBytes = 1 << 20;
 constexpr int64_t kAmxGroupPanels = 8;  // panels a wide task multiplies them by
 
 // Linux grants a process the tiles' state on request (5.16+); once per process. EPD_DECODE_AMX=0
@@ -379,7 +381,7 @@ void linear_amx_few(const at::Tensor& x, const at::Tensor& packed, const float* 
   });
 }
 
-// 17 rows or more (prefill chunks): tasks of (kAmxChunkRows rows, kAmxGroupPanels panels),
+// 17 rows or more (prefill chunks): tasks of (kAmxChunkBytes of rows, kAmxGroupPanels panels),
 // row-chunk-major, each 32 rows x 2 panels at a time (2 x tiles, 2 weight tiles, 4 sums). A last
 // block of fewer than 32 rows reads them from a zero-padded copy (tile loads read whole rows).
 template <typename E>
@@ -398,7 +400,7 @@ void linear_amx_wide(const at::Tensor& x, const at::Tensor& packed, const float*
     for (int64_t r = full; r < m; ++r) std::memcpy(tail.data() + (r - full) * k, xp + r * ldx, k * sizeof(T));
   }
   const int64_t blocks = (m + 31) / 32;
-  const int64_t chunk_blocks = kAmxChunkRows / 32;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kAmxChunkBytes / (32 * k * static_cast<int64_t>(sizeof(T))));
   const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
   const int64_t groups = (panels + kAmxGroupPanels - 1) / kAmxGroupPanels;
   const int64_t tasks = chunks * groups;
@@ -424,17 +426,19 @@ void linear_amx_wide(const at::Tensor& x, const at::Tensor& packed, const float*
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
+          // each tile is loaded just before its first product, so the next step's first loads
+          // overlap this step's last products (a tile is read by its products in flight)
           for (int64_t s = 0; s < k / 32; ++s) {
             _tile_loadd(4, a0 + s * 32, lda_bytes);
-            _tile_loadd(5, a1 + s * 32, lda_bytes);
             _tile_loadd(6, w0 + s * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
             if (pair) {
               _tile_loadd(7, w1 + s * 512, 64);
               _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(3, 5, 7);
             }
+            _tile_loadd(5, a1 + s * 32, lda_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            if (pair) _tile_dpbf16ps(3, 5, 7);
           }
           _tile_stored(0, sums[0], 64);
           _tile_stored(2, sums[2], 64);
