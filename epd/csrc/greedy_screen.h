@@ -38,19 +38,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_i8(const at::Tensor& weight)
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "epd_decode.pack_i8: a 2-D CPU weight");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
               "epd_decode.pack_i8: bfloat16 or float32, got ", weight.scalar_type());
-  const at::Tensor w = weight.contiguous().to(at::kFloat);
+  const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
   const int64_t kp = (k + kScreenStep - 1) / kScreenStep * kScreenStep, panels = (n + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({panels, kp / 4, kPanel * 4}, weight.options().dtype(at::kChar));
   at::Tensor scale = at::zeros({n}, weight.options().dtype(at::kFloat));
   at::Tensor l1 = at::zeros({n}, weight.options().dtype(at::kFloat));
-  const float* src = w.data_ptr<float>();
   int8_t* dst = packed.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   float* lp = l1.data_ptr<float>();
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);  // a row at a time in float32 (the whole head would be 4 bytes an element more)
     for (int64_t i = begin; i < end; ++i) {
-      const float* row = src + i * k;
+      if (bf16) {
+        const c10::BFloat16* src = w.data_ptr<c10::BFloat16>() + i * k;
+        for (int64_t j = 0; j < k; ++j) row[j] = static_cast<float>(src[j]);
+      } else {
+        std::memcpy(row.data(), w.data_ptr<float>() + i * k, k * sizeof(float));
+      }
       float top = 0.f;
       for (int64_t j = 0; j < k; ++j) top = std::max(top, std::fabs(row[j]));
       TORCH_CHECK(std::isfinite(top), "epd_decode.pack_i8: row ", i, " of the weight is not finite");
