@@ -30,7 +30,7 @@ from tests.test_prefill_engine import SQUARE, WIDE, Case, user
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, redis_url):
-    runner = TextModelRunner.load(tiny_model_dir)
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)  # as an aggregated replica loads it
     info = ModelInfo.load(tiny_model_dir)
     prefill = PrefillEngine(runner, info, EmbeddingStore(redis_url),
                             PrefillConfig(chunk_tokens=16, step_tokens=24, prefix_block_size=16,
@@ -102,6 +102,9 @@ def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_
     text.join(120)
     assert results == expected
     assert decode.mixed_steps > 0, "no step carried decode rows and prefill chunks together"
+    screen = decode.runner.greedy_screen
+    if screen is not None:  # a CPU with AMX-INT8: the greedy steps' heads went through the screen
+        assert screen.screened > 0 and screen.full == 0
     # the step budget is prefill.step_tokens (24), not the prefill replica's batch_tokens (1024)
     assert step_sizes and max(step_sizes) <= 24, step_sizes
     assert prefill.work()["computed_tokens"] < sum(len(case.token_ids) for case in cases.values()), \
