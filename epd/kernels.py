@@ -541,10 +541,6 @@ class GreedyScreen:
         self.screened = 0  # products answered from the screen
         self.full = 0  # ... and those that fell back to the whole head
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.l1))
-
     def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``hidden [B, K]`` (final-normed) -> (each row's first-maximum index ``[B]`` int64, the
         rows' finite flags ``[B]``: all true), as ``greedy_rows(head.forward_float(hidden))``;

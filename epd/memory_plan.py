@@ -203,8 +203,9 @@ def role_need(raw: dict, role: str, dtype: str, *, max_batch_size: int = 32, kv_
     decode: the language model's weights, the K/V pool when its size is given (``kv_cache_bytes``;
     0: the pool takes a share of what is left once the weights are in, so it is sized to fit and
     not counted here), ``max_batch_size`` slots of linear-attention state, swap space, a step's
-    logits and the LM head's int8 copy that screens greedy rows (counted on every CPU). prefill: weights, one chunk's activations (the widest projection's output per token,
-    the MLP or the experts' hidden, a few copies of the residual) and the held-state budget.
+    logits and the LM head's int8 copy that screens greedy rows (counted on every CPU). prefill:
+    weights, one chunk's activations (the widest projection's output per token, the MLP or the
+    experts' hidden, a few copies of the residual) and the held-state budget.
     encoder: the vision tower and one forward's activations at ``max_image_patches`` patches.
     Activations are an estimate (the order of a forward's live tensors, not an exact peak)."""
     size = DTYPE_BYTES[dtype]
