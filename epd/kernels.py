@@ -522,10 +522,11 @@ class GreedyScreen:
 
     ``torch.ops.epd_decode.screen`` multiplies the rows by the int8 copy on AMX tiles and bounds
     each logit (the copy's rounding, the rows' own, the float32 sums'); only the columns whose
-    upper bound reaches a row's best lower bound can hold its maximum (with bfloat16 logits, two
-    bfloat16 steps below it: ties after rounding stay in). Those columns are multiplied by the
-    head's own panels with the head's own kernel, so their logits are bit for bit the full head's,
-    and the first maximum among them (ascending) is the full head's first maximum
+    upper bound reaches a row's best lower bound can hold its maximum (with bfloat16 logits,
+    whose upper bound rounds to the lower bound's rounded value or above: ties after rounding
+    stay in). Those columns are multiplied by the head's own panels with the head's own kernel,
+    so their logits are bit for bit the full head's, and the first maximum among them
+    (ascending) is the full head's first maximum
     (``epd/csrc/greedy_screen.h`` has the bounds). Why: the head is a third of the bytes a decode
     step streams (508 of ~1,500 MB for qwen3.5-0.8b in bfloat16).
 

@@ -22,8 +22,10 @@
 // the approximation by a few u of its terms; the bound adds both, and a relative 1e-5 besides.
 // A column is dropped when its upper end is below the row's best lower end L: then its sum is
 // below the largest sum. With bfloat16 logits (the head's values are rounded once, and greedy
-// takes the first of equal maxima) it is dropped only below L - |L| / 64: two bfloat16 steps under
-// L, where rounding cannot make it equal the maximum's rounded value.
+// takes the first of equal maxima) it is dropped only when its upper end rounds below L's rounded
+// value: rounding is monotonic, so its rounded logit is then below the maximum's, never equal.
+// While the product runs, each thread drops below L - |L| / 64 of what it has seen (two bfloat16
+// steps under it: a line that only rises and stays below the final one).
 #if defined(EPD_DECODE_AMX) && defined(__AMX_INT8__)
 #define EPD_DECODE_SCREEN 1
 
@@ -288,11 +290,16 @@ at::Tensor screen(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
       best_lower[r] = std::max(best_lower[r], _mm512_reduce_max_ps(_mm512_loadu_ps(&lanes[r * 16])));
     found.insert(found.end(), mine.begin(), mine.end());
   });
+  // the final cut, exact: with bfloat16 logits a column stays while its upper end rounds to the
+  // best lower end's rounded value or above (rounding is monotonic, so a column below that has a
+  // rounded logit below the maximum's); with float32 ones while it reaches the best lower end
   std::vector<int64_t> columns;
   for (const Found& f : found) {
     const float l = best_lower[f.row];
     if (!std::isfinite(l) || !std::isfinite(f.upper)) return none;
-    if (f.upper >= l - std::fabs(l) * below - 1e-30f) columns.push_back(f.column);
+    const bool keep = bf16_logits ? static_cast<float>(c10::BFloat16(f.upper)) >= static_cast<float>(c10::BFloat16(l))
+                                  : f.upper >= l;
+    if (keep) columns.push_back(f.column);
   }
   std::sort(columns.begin(), columns.end());
   columns.erase(std::unique(columns.begin(), columns.end()), columns.end());
