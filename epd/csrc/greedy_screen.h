@@ -104,7 +104,10 @@ ScreenRow quantize_row(const T* x, int64_t k, int64_t kp, int8_t* q1, int8_t* q2
   std::memset(q1, 0, kp);
   std::memset(q2, 0, kp);
   row.norm1 = static_cast<float>(norm1 * (1.0 + 1e-6));
-  if (top == 0.f) return row;
+  if (!std::isnormal(top / 127.f)) {  // zero or (sub)normal-small: no levels, all of h is the remainder a
+    row.rest = top;
+    return row;
+  }
   row.sh1 = top / 127.f;
   std::vector<double> remainder(k);
   double top2 = 0.0;
@@ -116,7 +119,7 @@ ScreenRow quantize_row(const T* x, int64_t k, int64_t kp, int8_t* q1, int8_t* q2
     top2 = std::max(top2, std::fabs(remainder[j]));
   }
   double rest = top2;  // with no second level, the remainder is all of a
-  if (top2 > 0.0) {
+  if (std::isnormal(static_cast<float>(top2 / 127.0))) {  // else the remainder stays all of a
     row.sh2 = static_cast<float>(top2 / 127.0);
     rest = 0.0;
     for (int64_t j = 0; j < k; ++j) {
