@@ -351,16 +351,8 @@ class DecodeEngine:
         # rows whose choice is the plain argmax (greedy, nothing changes the logits, no logprobs)
         # take the first-maximum index ``sample`` would pick, from one batched pass
         plain = [request.sampling.plain_greedy for request in members]
-        if rows is None:
-            rows = kernels.greedy_rows(logits)  # the index and the finite check in one read of the logits
-        if rows is not None:
-            argmax, finite = rows[0].tolist(), rows[1].tolist()
-        else:
-            # a row's min and max are finite exactly when every value is (NaN propagates through
-            # both); amin and amax apart, as ATen vectorizes each (one aminmax pass is not)
-            low, high = logits.amin(dim=-1), logits.amax(dim=-1)
-            finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
-            argmax = logits.argmax(dim=-1).tolist() if any(plain) else None
+        # the index and the finite check in one read of the logits (kernels.greedy_rows where built)
+        argmax, finite = (t.tolist() for t in (rows if rows is not None else kernels.first_maxima(logits)))
         for row, request in enumerate(members):
             if request.status is RequestStatus.FINISHED:  # cancelled during the step
                 continue

@@ -515,6 +515,18 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return torch.ops.epd_decode.greedy_rows(logits if logits.stride(1) == 1 else logits.contiguous())
 
 
+def first_maxima(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_rows``' (index, finite) on any device: the kernel where it serves, else torch's
+    ``argmax`` (its first maximum too) and a finite check."""
+    rows = greedy_rows(logits)
+    if rows is not None:
+        return rows
+    # a row's min and max are finite exactly when every value is (NaN propagates through both);
+    # amin and amax apart, as ATen vectorizes each (one aminmax pass is not)
+    low, high = logits.amin(dim=-1), logits.amax(dim=-1)
+    return logits.argmax(dim=-1), torch.isfinite(low) & torch.isfinite(high)
+
+
 class GreedyScreen:
     """The LM head of greedy rows, screened: each row's first-maximum index over the vocabulary as
     the full head's logits give it, reading an int8 copy of the head (half the bytes of

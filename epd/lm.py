@@ -304,12 +304,7 @@ class TextModelRunner:
             rows = self.greedy_screen.argmax(hidden)
             if rows is not None:
                 return rows
-        logits = self.logits(hidden)
-        rows = kernels.greedy_rows(logits)
-        if rows is not None:
-            return rows
-        low, high = logits.amin(dim=-1), logits.amax(dim=-1)
-        return logits.argmax(dim=-1), torch.isfinite(low) & torch.isfinite(high)
+        return kernels.first_maxima(self.logits(hidden))
 
     @torch.inference_mode()
     def decode_step(self, batch: BatchBuffers, token_ids: list[int], positions: list[int]) -> torch.Tensor:
