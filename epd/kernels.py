@@ -568,20 +568,27 @@ class GreedyScreen:
             self.full += 1
             return None
         self.screened += 1
-        logits = torch.ops.epd_decode.linear_float(rows, self._panels(columns), columns.numel(), None)
+        panels, width = self.panels(columns)
+        logits = torch.ops.epd_decode.linear_float(rows, self.head.weight.index_select(0, panels), width, None)
         index, finite = torch.ops.epd_decode.greedy_rows(logits)
-        return columns[index], finite
+        return panels[index // 16] * 16 + index % 16, finite
 
-    def _panels(self, columns: torch.Tensor) -> torch.Tensor:
-        """The head's packed panels of ``columns`` only (in order, the last repeated to a whole panel)."""
-        packed = self.head.weight  # [panels, K / step, 16 * step]
-        panels, steps, lanes = packed.shape
-        step = lanes // 16
-        pad = -columns.numel() % 16
-        if pad:
-            columns = torch.cat([columns, columns[-1:].expand(pad)])
-        picked = packed.view(panels, steps, 16, step)[columns // 16, :, columns % 16]  # [C, steps, step]
-        return picked.view(-1, 16, steps, step).transpose(1, 2).reshape(-1, steps, lanes).contiguous()
+    def panels(self, columns: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The head's panels (of 16 columns) that hold ``columns`` (ascending), ascending, and
+        their width in columns (the head's last panel may be partial).
+
+        ``argmax`` multiplies these whole panels, as whole 32 KiB runs of the packed head (a
+        gather of the single columns reads a 64-byte line of a panel for every 4 bytes it keeps:
+        3.8 ms of a 16-row step for ~280 columns, against ~1 for the panels). Every logit of those
+        panels is exact, and a column the screen left out is below its row's maximum in every
+        row (strictly: the screen drops only a column whose upper end is under the best lower end,
+        or rounds under it), so the first maximum over the panels' columns in ascending order is
+        the first maximum of the whole head."""
+        panels = torch.unique_consecutive(torch.div(columns, 16, rounding_mode="floor"))
+        width = panels.numel() * 16
+        if int(panels[-1]) == self.head.weight.shape[0] - 1:
+            width -= -self.head.out_features % 16
+        return panels, width
 
 
 def can_screen(head, weight: torch.Tensor) -> bool:

@@ -478,8 +478,29 @@ def test_the_greedy_screen_is_the_full_heads_first_maximum(dtype, rows, shape, s
     columns = torch.ops.epd_decode.screen(x, screen.packed, screen.scale, screen.l1, vocab,
                                           dtype == torch.bfloat16)
     assert 0 < columns.numel() < vocab // 4 and bool((columns[1:] > columns[:-1]).all())
-    assert torch.equal(torch.ops.epd_decode.linear_float(x, screen._panels(columns), columns.numel(), None),
-                       head.forward_float(x)[:, columns])
+    panels, width = screen.panels(columns)
+    assert bool((panels[1:] > panels[:-1]).all()) and set((columns // 16).tolist()) == set(panels.tolist())
+    held = (panels[:, None] * 16 + torch.arange(16)).flatten()[:width]
+    assert torch.equal(torch.ops.epd_decode.linear_float(x, head.weight.index_select(0, panels), width, None),
+                       head.forward_float(x)[:, held])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_screen_reads_the_last_partial_panel_without_its_padding(dtype, screens):
+    """Every logit below zero and the maximum in the head's last panel, which holds 3 columns of
+    16: the screen multiplies that whole panel, and its 13 padding columns (zeros) must not
+    count as logits of 0 (they would win)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, width = 4099, 64
+    weight = -(torch.rand(vocab, width, generator=gen) + 0.5)
+    weight[vocab - 2] = -0.01
+    weight = weight.to(dtype)
+    head = kernels.DecodeLinear(weight)
+    screen = kernels.GreedyScreen(head, weight)
+    x = (torch.rand(4, width, generator=gen) + 0.1).to(dtype)
+    assert bool((head.forward_float(x) < 0).all())
+    got = screen.argmax(x)
+    assert got is not None and got[0].tolist() == [vocab - 2] * 4 == _full_argmax(head, x).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
