@@ -119,11 +119,15 @@ class TextModelRunner:
     lm_head: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
     # greedy rows' LM head through an int8 screen (kernels.GreedyScreen), where a decode runner has one
     greedy_screen: kernels.GreedyScreen | None = field(init=False, repr=False)
+    # a decode step's layers as direct kernel calls (_DecodePlan): None until the first decode
+    # step builds it, False where it does not apply; prepack_linears drops it
+    decode_plan: _DecodePlan | bool | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.layer_types = list(self.model.config.layer_types)
         self.lm_head = functools.partial(F.linear, weight=self.lm_head_weight)
         self.greedy_screen = None
+        self.decode_plan = None
 
     @classmethod
     def load(cls, model_dir: str, dtype: str = "float32", device: str | None = None,
@@ -164,6 +168,7 @@ class TextModelRunner:
         has AMX-INT8): ``decode_step_greedy``."""
         if few_rows is None:
             few_rows = decode_linear_default(self.dtype)
+        self.decode_plan = None  # built again from the new layers at the next decode step
         make = _linear_maker(self.dtype, decode and few_rows)
         if decode if merge is None else merge:
             merge_projections(self.model, make)
@@ -338,7 +343,22 @@ class TextModelRunner:
         hidden = self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long, device=device)).unsqueeze(1)
         position_ids = torch.tensor(positions, dtype=torch.long, device=device).view(1, size, 1).expand(3, size, 1)
         cos, sin = self.model.rotary_emb(hidden, position_ids)
+        plan = self._decode_plan(batch, hidden)
+        if plan is not None:
+            return plan.run(batch, hidden.view(size, -1), cos.view(size, -1), sin.view(size, -1))
         return self._decode_layers_fused(batch, hidden, cos, sin)
+
+    def _decode_plan(self, batch: BatchBuffers, hidden: torch.Tensor) -> _DecodePlan | None:
+        """The runner's ``_DecodePlan`` where it serves this step (built at the first decode step
+        after a load or ``prepack_linears``), else None: ``_decode_layers_fused`` runs instead.
+        The switches that may change between steps (``EPD_FUSED_KERNELS``, a batch without paged
+        pools) are asked again each step through the same predicates the module path asks."""
+        if self.decode_plan is None:
+            self.decode_plan = _DecodePlan.build(self) or False
+        plan = self.decode_plan
+        if plan is False or not plan.serves(batch, hidden):
+            return None
+        return plan
 
     @torch.inference_mode()
     def mixed_step(self, chunks: list[tuple[torch.Tensor, torch.Tensor, HybridState]], batch: BatchBuffers | None,
@@ -490,6 +510,117 @@ class TextModelRunner:
             out = _mlp(layer.mlp, normed)
         batch.advance()
         return _add_norm(out, residual, self.model.norm)
+
+
+class _DecodePlan:
+    """A decode-only step's layers as direct calls of the C++ kernels (``torch.ops.epd_decode``
+    and the fused Gated DeltaNet step) on weights, constants and shapes looked up once, rather
+    than through the modules: the same ops on the same inputs in the same order as
+    ``_decode_layers_fused`` (bit-identical, tests/test_decode_step.py), without the Python of
+    ~200 module calls, reshapes and checks a step. Why: that Python was ~12 of a 109 ms 16-row
+    bfloat16 step of qwen3.5-0.8b on two cores (its kernels alone, replayed: 97 ms), and while
+    the forward thread runs it the team's other thread has nothing to do.
+
+    It serves a runner whose decode layers are all what the fused path runs: the few-row kernel
+    (``kernels.DecodeLinear``) under merged projections, Qwen3.5's RMSNorms, SiLU, the gated norm,
+    a head dim the paged attention takes (``build`` says None otherwise), and a step whose batch
+    lends paged pools with the fused kernels on (``serves``)."""
+
+    def __init__(self, runner: TextModelRunner, layers: list[tuple]) -> None:
+        self.layers = layers  # per layer: ("gdn", ...) or ("attention", ...), see build
+        self.final_norm = (runner.model.norm.weight, float(runner.model.norm.eps))
+        self.first_gdn = next((layer.linear_attn for layer, t in zip(runner.model.layers, runner.layer_types)
+                               if t == "linear_attention"), None)
+        self.first_attention = next((layer.self_attn for layer, t in zip(runner.model.layers, runner.layer_types)
+                                     if t != "linear_attention"), None)
+
+    @staticmethod
+    def _linear(module) -> tuple | None:
+        """(packed weight, output width, bias) of a few-row kernel layer; None for anything else."""
+        if type(module) is not kernels.DecodeLinear:
+            return None
+        return module.weight, module.out_features, module.bias
+
+    @classmethod
+    def _merged(cls, module) -> tuple | None:
+        """A ``MergedLinear`` over the few-row kernel: (its ``_linear``, the parts' widths)."""
+        if type(module) is not kernels.MergedLinear:
+            return None
+        linear = cls._linear(module.linear)
+        return None if linear is None else (linear, list(module.sizes))
+
+    @classmethod
+    def build(cls, runner: TextModelRunner) -> _DecodePlan | None:
+        if (runner.device.type != "cpu" or runner.dtype not in FUSED_DTYPES or not runner._fused_norms()
+                or not fused.decode_ops() or fused.ops() is None):
+            return None
+        layers = []
+        for index, layer in enumerate(runner.model.layers):
+            mlp = layer.mlp
+            if type(mlp) is not GatedMLP or type(mlp.act_fn) not in _SILU:
+                return None
+            gate_up, down = cls._merged(mlp.gate_up_proj), cls._linear(mlp.down_proj)
+            norms = ((layer.input_layernorm.weight, float(layer.input_layernorm.eps)),
+                     (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.eps)))
+            if gate_up is None or down is None or len(gate_up[1]) != 2:
+                return None
+            if runner.layer_types[index] == "linear_attention":
+                gdn = layer.linear_attn
+                in_proj, out_proj = cls._merged(getattr(gdn, "in_proj", None)), cls._linear(gdn.out_proj)
+                if (in_proj is None or out_proj is None or gdn.activation not in ("silu", "swish")
+                        or type(gdn.norm) is not qm.Qwen3_5RMSNormGated):
+                    return None
+                mixer = ("gdn", in_proj, gdn, gdn.norm.weight.contiguous(),
+                         float(gdn.norm.variance_epsilon), gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, out_proj)
+            else:
+                attn = layer.self_attn
+                qkv, o_proj = cls._merged(getattr(attn, "qkv_proj", None)), cls._linear(attn.o_proj)
+                if (qkv is None or o_proj is None or attn.head_dim % 16 or type(attn.q_norm) not in _RMS_NORMS
+                        or type(attn.k_norm) not in _RMS_NORMS):
+                    return None
+                mixer = ("attention", qkv, attn.q_norm.weight, attn.k_norm.weight, float(attn.q_norm.eps),
+                         float(attn.scaling), o_proj)
+            layers.append((index, norms, mixer, gate_up, down))
+        return cls(runner, layers)
+
+    def serves(self, batch: BatchBuffers, hidden: torch.Tensor) -> bool:
+        """This step's switches, asked as the module path asks them (once for the step); with
+        autograd on, ``kernels.silu_mul`` takes torch's ops, so the module path runs."""
+        if torch.is_grad_enabled():
+            return False
+        if self.first_gdn is not None and _fused_gdn(self.first_gdn, hidden) is None:
+            return False
+        return self.first_attention is None or _fused_attention(self.first_attention, hidden, batch)
+
+    def run(self, batch: BatchBuffers, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``_decode_layers_fused`` over ``residual [B, hidden]`` (the step's embedding rows,
+        updated in place), ``cos``/``sin`` ``[B, rotary_dim]``: the final-normed rows."""
+        ops, gdn_step = torch.ops.epd_decode, fused.ops()
+        linear, add_rms_norm, silu_mul = ops.linear, ops.add_rms_norm, ops.silu_mul
+        size = residual.shape[0]
+        out = None
+        for index, ((w1, eps1), (w2, eps2)), mixer, (gate_up, halves), down in self.layers:
+            core_share.rebalance()
+            normed = add_rms_norm(out, residual, w1, eps1)
+            if mixer[0] == "gdn":
+                _, ((weight, width, bias), sizes), gdn, norm_weight, norm_eps, k_heads, k_dim, v_dim, o_proj = mixer
+                taps, conv_bias, neg_a_exp, dt_bias = _gdn_constants(gdn)  # cached on the module
+                mixed, z, b, a = linear(normed, weight, width, bias).split(sizes, dim=-1)
+                core = gdn_step(mixed, batch.conv[index][:size], taps, conv_bias, a, b, neg_a_exp, dt_bias, z,
+                                norm_weight, norm_eps, batch.recurrent[index][:size], k_heads, k_dim, v_dim)
+            else:
+                _, ((weight, width, bias), sizes), q_weight, k_weight, eps, scale, o_proj = mixer
+                query_gate, key, value = linear(normed, weight, width, bias).split(sizes, dim=-1)
+                keys, values, write, runs, offsets = batch.paged(index)
+                query = ops.attention_inputs(query_gate, key, value, q_weight, k_weight, eps, cos, sin, keys,
+                                             values, write)
+                core = ops.attend(query, keys, values, runs, offsets, scale, query_gate)
+            out = linear(core, *o_proj)
+            normed = add_rms_norm(out, residual, w2, eps2)
+            gate, up = linear(normed, *gate_up).split(halves, dim=-1)
+            out = linear(silu_mul(gate, up), *down)
+        batch.advance()
+        return add_rms_norm(out, residual, *self.final_norm)
 
 
 @dataclass

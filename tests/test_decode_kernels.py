@@ -217,6 +217,9 @@ def test_a_decode_runner_merges_and_uses_the_kernels_and_agrees_with_the_unpacke
         assert len(merged.sizes) == (4 if kind == "linear_attention" else 3)
         assert isinstance(layer.mlp, lm.GatedMLP)
     assert runner.state_shapes(5) == dense.state_shapes(5)
+    # the module path's decode steps, whose norms go through kernels.add_rms_norm (the decode plan
+    # calls the op itself: test_the_decode_plan_is_the_module_path_bit_for_bit)
+    runner.decode_plan = False
     got = _decode_logits(runner)
     # three prompts' prefills (two norms a layer; the final norm is the module's, on the last rows
     # only) and three decode steps (two a layer and the final one)
@@ -268,6 +271,75 @@ def test_the_fused_attention_step_computes_what_the_torch_path_does(dtype, tiny_
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pools[0][0], pools[1][0], rtol=1e-5, atol=1e-5)
         assert torch.equal(pools[0][1], pools[1][1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_plan_is_the_module_path_bit_for_bit(dtype, tiny_model_dir, ops):
+    """A decode step's layers as direct kernel calls (``lm._DecodePlan``) against the module path
+    (``_decode_layers_fused``) on two copies of one batch, step after step, a request joining
+    half way: the final-normed rows, every slot's conv and recurrent state and the K/V pools are
+    equal bit for bit."""
+    runner = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
+    assert isinstance(lm._DecodePlan.build(runner), lm._DecodePlan)
+
+    def prompt(seed: int):
+        ids = torch.randint(3, 200, (7 + 11 * seed,), generator=torch.Generator().manual_seed(seed))
+        state = runner.new_state()
+        runner.forward(runner.embed(ids), positions.mrope_positions(len(ids), [])[0], state)
+        return state
+
+    states = [prompt(seed) for seed in range(3)]
+    batches = [DecodeBatch(runner), DecodeBatch(runner)]
+    for batch in batches:
+        for state in states:
+            batch.add(state.clone())
+    tokens = [5, 6, 7]
+    for step in range(5):
+        if step == 2:  # a request joins both batches
+            late = prompt(3)
+            for batch in batches:
+                batch.add(late.clone())
+            tokens.append(8)
+        places = [int(length) for length in batches[0].lengths]
+        got = []
+        for use, batch in zip((True, False), batches):
+            runner.decode_plan = None if use else False  # None: built again for this step
+            with torch.inference_mode():
+                got.append(runner._decode_hidden(batch, tokens, places))
+            assert isinstance(runner.decode_plan, lm._DecodePlan) == use
+        assert torch.equal(got[0], got[1]), step
+        size = len(batches[0])
+        for index in range(runner.num_layers):
+            if runner.layer_types[index] == "linear_attention":  # the active slots (the rest is spare room)
+                assert torch.equal(batches[0].conv[index][:size], batches[1].conv[index][:size])
+                assert torch.equal(batches[0].recurrent[index][:size], batches[1].recurrent[index][:size])
+            else:
+                for slot in range(size):  # the rows each slot's tokens hold
+                    rows = [b._rows(b.tables[slot], 0, b.lengths[slot]) for b in batches]
+                    assert torch.equal(batches[0].keys[index][rows[0]], batches[1].keys[index][rows[1]])
+                    assert torch.equal(batches[0].values[index][rows[0]], batches[1].values[index][rows[1]])
+        tokens = kernels.greedy_rows(runner.logits(got[0]))[0].tolist()
+
+
+def test_the_decode_plan_steps_aside_where_the_module_path_differs(tiny_model_dir, ops, monkeypatch):
+    """No plan for a runner whose layers are not the few-row kernel's (oneDNN's merged
+    products), and none for a step with the fused kernels turned off or with autograd on (where
+    the module path takes torch's ops)."""
+    onednn = TextModelRunner.load(tiny_model_dir, prepack=False)
+    onednn.prepack_linears(merge=True)
+    assert lm._DecodePlan.build(onednn) is None
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)
+    plan = lm._DecodePlan.build(runner)
+    batch = DecodeBatch(runner)
+    hidden = torch.zeros(1, 1, runner.model.config.hidden_size)
+    with torch.inference_mode():
+        assert plan.serves(batch, hidden)
+        monkeypatch.setenv(fused.ENV, "0")
+        assert not plan.serves(batch, hidden)
+        monkeypatch.delenv(fused.ENV)
+    assert not plan.serves(batch, hidden)  # autograd on
+    runner.prepack_linears(decode=True)  # new layers: the plan is built again at the next step
+    assert runner.decode_plan is None
 
 
 def test_merged_projections_on_onednn_agree_with_the_unpacked_runner(tiny_model_dir, ops):
