@@ -1,7 +1,7 @@
 """One batched decode step in a loop, for profilers: ``python -m bench.decode_step_profile MODEL
 [--dtype bfloat16] [--batch 16] [--context 200] [--steps 60] [--threads 1] [--table]
 [--linears replica|decode|onednn] [--no-merge] [--no-fused-norms] [--no-paged-attention]
-[--no-screen]``.
+[--no-screen] [--no-plan]``.
 
 The runner is loaded as a decode replica loads it (merged projections, the fused
 residual add + RMSNorm, the full-attention step in two calls); ``--linears`` puts the linear
@@ -10,7 +10,9 @@ layers where a decode replica puts them on this CPU and dtype (``replica``, the 
 other options turn each part off, to measure what each is worth. Each step takes every row's
 greedy token as the served loop does for greedy rows (``TextModelRunner.decode_step_greedy``:
 the int8 screen of the LM head where the CPU has AMX-INT8; ``--no-screen``: the whole head's
-logits and ``greedy_rows``).
+logits and ``greedy_rows``). A decode-only step runs as the runner's decode plan
+(``lm._DecodePlan``: the layers as direct kernel calls) where it applies; ``--no-plan`` runs the
+module path instead.
 
 Prints the median wall and CPU time of a step (after 3 warm-up steps), and how long the process's
 threads waited for a core a step on average (ready to run while other processes held the cores:
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--no-fused-norms", dest="fused_norms", action="store_false")
     parser.add_argument("--no-paged-attention", dest="paged_attention", action="store_false")
     parser.add_argument("--no-screen", dest="screen", action="store_false")
+    parser.add_argument("--no-plan", dest="plan", action="store_false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = TextModelRunner.load(args.model, dtype=args.dtype, prepack=False)
@@ -78,6 +81,8 @@ def main() -> None:
         lm._fused_attention = lambda attn, x, batch: False
     if not args.screen:
         runner.greedy_screen = None
+    if not args.plan:
+        runner.decode_plan = False
     vocab = runner.lm_head_weight.shape[0]
     pos, _ = positions.mrope_positions(args.context, [])
     batch = DecodeBatch(runner)
@@ -102,7 +107,8 @@ def main() -> None:
     wait = f"{(end - waited) / args.steps * 1e3:.1f} ms" if waited is not None and end is not None else "-"
     print(f"{args.dtype}, batch {args.batch}, {args.context} tokens of context, {args.threads} thread(s), "
           f"linears {args.linears}, merge {args.merge}, fused norms {args.fused_norms}, "
-          f"paged attention {args.paged_attention}, screen {runner.greedy_screen is not None}: "
+          f"paged attention {args.paged_attention}, screen {runner.greedy_screen is not None}, "
+          f"plan {isinstance(runner.decode_plan, lm._DecodePlan)}: "
           f"step median {statistics.median(walls[3:]) * 1e3:.1f} ms wall, {statistics.median(cpus[3:]) * 1e3:.1f} ms CPU, "
           f"waited for a core {wait} a step")
     if args.table:

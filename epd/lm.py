@@ -516,7 +516,7 @@ class _DecodePlan:
     """A decode-only step's layers as direct calls of the C++ kernels (``torch.ops.epd_decode``
     and the fused Gated DeltaNet step) on weights, constants and shapes looked up once, rather
     than through the modules: the same ops on the same inputs in the same order as
-    ``_decode_layers_fused`` (bit-identical, tests/test_decode_step.py), without the Python of
+    ``_decode_layers_fused`` (bit-identical, tests/test_decode_kernels.py), without the Python of
     ~200 module calls, reshapes and checks a step. Why: that Python was ~12 of a 109 ms 16-row
     bfloat16 step of qwen3.5-0.8b on two cores (its kernels alone, replayed: 97 ms), and while
     the forward thread runs it the team's other thread has nothing to do.
