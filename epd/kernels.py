@@ -577,9 +577,10 @@ class GreedyScreen:
         """The head's panels (of 16 columns) that hold ``columns`` (ascending), ascending, and
         their width in columns (the head's last panel may be partial).
 
-        ``argmax`` multiplies these whole panels, as whole 32 KiB runs of the packed head (a
-        gather of the single columns reads a 64-byte line of a panel for every 4 bytes it keeps:
-        3.8 ms of a 16-row step for ~280 columns, against ~1 for the panels). Every logit of those
+        ``argmax`` multiplies these whole panels, whole runs of the packed head (32 KiB a panel
+        for the 0.8b; a gather of the single columns read a 64-byte line of a panel for every 4
+        bytes it kept: with the product, 3.8 ms of a 16-row step against 3.1-3.3 for the panels,
+        docs/BENCHMARKS.md). Every logit of those
         panels is exact, and a column the screen left out is below its row's maximum in every
         row (strictly: the screen drops only a column whose upper end is under the best lower end,
         or rounds under it), so the first maximum over the panels' columns in ascending order is
