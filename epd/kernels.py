@@ -580,11 +580,10 @@ class GreedyScreen:
         ``argmax`` multiplies these whole panels, whole runs of the packed head (32 KiB a panel
         for the 0.8b; a gather of the single columns read a 64-byte line of a panel for every 4
         bytes it kept: with the product, 3.8 ms of a 16-row step against 3.1-3.3 for the panels,
-        docs/BENCHMARKS.md). Every logit of those
-        panels is exact, and a column the screen left out is below its row's maximum in every
-        row (strictly: the screen drops only a column whose upper end is under the best lower end,
-        or rounds under it), so the first maximum over the panels' columns in ascending order is
-        the first maximum of the whole head."""
+        docs/BENCHMARKS.md). Every logit of those panels is exact, and a column the screen left
+        out is below its row's maximum in every row (strictly: the screen drops only a column
+        whose upper end is under the best lower end, or rounds under it), so the first maximum
+        over the panels' columns in ascending order is the first maximum of the whole head."""
         panels = torch.unique_consecutive(torch.div(columns, 16, rounding_mode="floor"))
         width = panels.numel() * 16
         if int(panels[-1]) == self.head.weight.shape[0] - 1:

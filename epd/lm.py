@@ -526,13 +526,10 @@ class _DecodePlan:
     a head dim the paged attention takes (``build`` says None otherwise), and a step whose batch
     lends paged pools with the fused kernels on (``serves``)."""
 
-    def __init__(self, runner: TextModelRunner, layers: list[tuple]) -> None:
+    def __init__(self, runner: TextModelRunner, layers: list[tuple], first_gdn, first_attention) -> None:
         self.layers = layers  # per layer: ("gdn", ...) or ("attention", ...), see build
         self.final_norm = (runner.model.norm.weight, float(runner.model.norm.eps))
-        self.first_gdn = next((layer.linear_attn for layer, t in zip(runner.model.layers, runner.layer_types)
-                               if t == "linear_attention"), None)
-        self.first_attention = next((layer.self_attn for layer, t in zip(runner.model.layers, runner.layer_types)
-                                     if t != "linear_attention"), None)
+        self.first_gdn, self.first_attention = first_gdn, first_attention  # what serves() asks about
 
     @staticmethod
     def _linear(module) -> tuple | None:
@@ -554,7 +551,7 @@ class _DecodePlan:
         if (runner.device.type != "cpu" or runner.dtype not in FUSED_DTYPES or not runner._fused_norms()
                 or not fused.decode_ops() or fused.ops() is None):
             return None
-        layers = []
+        layers, first = [], {}
         for index, layer in enumerate(runner.model.layers):
             mlp = layer.mlp
             if type(mlp) is not GatedMLP or type(mlp.act_fn) not in _SILU:
@@ -570,6 +567,7 @@ class _DecodePlan:
                 if (in_proj is None or out_proj is None or gdn.activation not in ("silu", "swish")
                         or type(gdn.norm) is not qm.Qwen3_5RMSNormGated):
                     return None
+                first.setdefault("gdn", gdn)
                 mixer = ("gdn", in_proj, gdn, gdn.norm.weight.contiguous(),
                          float(gdn.norm.variance_epsilon), gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim, out_proj)
             else:
@@ -578,10 +576,11 @@ class _DecodePlan:
                 if (qkv is None or o_proj is None or attn.head_dim % 16 or type(attn.q_norm) not in _RMS_NORMS
                         or type(attn.k_norm) not in _RMS_NORMS):
                     return None
+                first.setdefault("attention", attn)
                 mixer = ("attention", qkv, attn.q_norm.weight, attn.k_norm.weight, float(attn.q_norm.eps),
                          float(attn.scaling), o_proj)
             layers.append((index, norms, mixer, gate_up, down))
-        return cls(runner, layers)
+        return cls(runner, layers, first.get("gdn"), first.get("attention"))
 
     def serves(self, batch: BatchBuffers, hidden: torch.Tensor) -> bool:
         """This step's switches, asked as the module path asks them (once for the step); with
