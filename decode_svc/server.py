@@ -26,7 +26,7 @@ from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.request import FinishReason
 from epd.sampling import history_for
-from epd.tensors import configure_threads, default_device, release_thread_team
+from epd.tensors import configure_threads, default_device, freeze_startup_heap, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.wire import logprobs_to_proto, sampling_from_proto
 
@@ -165,6 +165,7 @@ class DecodeServer(rpc.RoleServer):
         self._serve([(epd_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.engine), "epd.v1.Decode")],
                     context.host, rpc.internal_transport(serve.security))
         self._metrics = serve_metrics(self.engine.metrics, self.host, config.metrics_port)
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self.membership = Membership(context, address=self.address(),
                                      capacity_tokens=self.engine.capacity_tokens(), load=self.engine.load)
         release_thread_team()  # the decode loop's thread runs the forwards (epd/tensors.py)

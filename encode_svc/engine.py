@@ -33,7 +33,7 @@ from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
 from epd.store import Embedding, EmbeddingStore, StoreUnavailable, encode_value
-from epd.tensors import configure_threads, default_device, parse_dtype, release_thread_team
+from epd.tensors import configure_threads, default_device, freeze_startup_heap, parse_dtype, release_thread_team
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class EncoderEngine:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._batch_loop, name="encode-batcher", daemon=True)
         self._thread.start()
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self._membership = None
         if context.registry is not None:  # a replica of a deployment: callers find it in the registry
             self._membership = Membership(context)  # callers reach it by its actor name

@@ -21,6 +21,7 @@ from encode_svc.engine import EncodeResult
 from epd import discovery, errors, rpc
 from epd.config import ServeConfig
 from epd.discovery import RoleContext
+from epd.tensors import freeze_startup_heap
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ class EncodeServer(rpc.RoleServer):
         self._serve([(epd_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(self.pool), "epd.v1.Encoder")],
                     context.host, rpc.internal_transport(serve.security),
                     healthy=lambda: self.pool.balancer.num_available() > 0)
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self.membership = discovery.Membership(context, address=self.address())
 
     def outstanding(self, name: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import sys
 import threading
 from collections.abc import Sequence
@@ -191,12 +192,32 @@ def default_device() -> str:
     that means a GPU Ray gave it (Ray sets its CUDA_VISIBLE_DEVICES, so ``cuda`` is that one): a
     replica that asked Ray for no GPU runs on the CPU even where a GPU is visible, never on another
     role's device."""
-    if "ray" in sys.modules:
-        ray = sys.modules["ray"]
-        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE \
-                and not ray.get_gpu_ids():
-            return "cpu"
+    if _in_ray_worker() and not sys.modules["ray"].get_gpu_ids():
+        return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _in_ray_worker() -> bool:
+    """This process is one Ray started to host an actor or a task (not a driver, not a test)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def freeze_startup_heap(served: bool | None = None) -> int:
+    """Once a role's process has built what it serves with (the model's modules, the libraries'
+    objects): frees what is garbage already, then moves every object left out of the garbage
+    collector's reach (``gc.freeze``); returns how many that froze. Why: a full collection walks
+    every tracked object while holding the GIL, so it stops every thread of the process, the
+    forwards and the streams: ~155 ms over the ~390k objects of a qwen3.5-0.8b replica (one came
+    in the first W2 run of a fresh stack: 171 ms), ~0 once they are frozen (docs/BENCHMARKS.md,
+    "Issue 18, 2026-12-06 (06:10-08:10 UTC)"). Only where Ray runs the process as a role
+    (``served`` None: a Ray worker): a test or a tool that builds a role in its own process keeps
+    its objects collectable, since a frozen object in a reference cycle is never freed."""
+    if not (_in_ray_worker() if served is None else served):
+        return 0
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def device_info() -> dict:

@@ -25,7 +25,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
-from epd.tensors import configure_threads, default_device, release_thread_team
+from epd.tensors import configure_threads, default_device, freeze_startup_heap, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
 
 from decode_svc.engine import DecodeEngine
@@ -64,6 +64,7 @@ class AggregateServer(rpc.RoleServer):
         self._metrics = serve_metrics(lambda: [*self.prefill.metrics(), *self.prefill_servicer.metrics(),
                                                *self.decode.metrics()], self.host,
                                       serve.prefill.metrics_port or config.metrics_port)
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self.membership = Membership(context, address=self.address(), capacity_tokens=self.decode.capacity_tokens(),
                                      load=self._load, also_roles=("decode",))
         self.prefill.on_stored = self.membership.report_soon

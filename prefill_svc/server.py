@@ -25,7 +25,7 @@ from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
-from epd.tensors import configure_threads, default_device, release_thread_team
+from epd.tensors import configure_threads, default_device, freeze_startup_heap, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from epd.sampling import check_vocab
 from epd.wire import logprobs_to_proto, prompt_logprob_to_proto, sampling_from_proto
@@ -242,6 +242,7 @@ class PrefillServer(rpc.RoleServer):
                     healthy=lambda: self._decode.balancer.num_available() > 0)
         self._metrics = serve_metrics(lambda: [*self.engine.metrics(), *servicer.metrics()], self.host,
                                       config.metrics_port)
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self.membership = Membership(context, address=self.address(), load=self.engine.load)
         self.engine.on_stored = self.membership.report_soon  # the router routes on it: tell it soon
         release_thread_team()  # the engine's thread runs the forwards (epd/tensors.py)

@@ -20,6 +20,7 @@ from epd.discovery import Membership, RoleContext
 from epd.metrics import serve_metrics
 from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
+from epd.tensors import freeze_startup_heap
 from epd.v1 import epd_pb2, epd_pb2_grpc
 from router_svc.core import RouterCore
 from router_svc.prompt import PromptBuilder
@@ -102,6 +103,7 @@ class RouterServer(rpc.RoleServer):
                 max_open_requests=serve.http.open_requests_limit(config.max_queued_requests))
             self.events.run(self.http.start(self.host, serve.http.port))
         self._metrics = serve_metrics(self._read_metrics, self.host, config.metrics_port)
+        freeze_startup_heap()  # before it takes work: see epd/tensors.py
         self.membership = Membership(context, address=self.address(), http_address=self.http_address())
 
     def in_flight(self) -> int:

@@ -153,3 +153,33 @@ def test_a_served_stack_runs_its_forward_roles_at_the_default_policy_and_the_res
             seen["control"] += 1
     assert seen["forward"] >= 4 and seen["control"] >= 6, seen  # 2 encoders, prefill, decode; 4 actors, 2 daemons
     assert os.sched_getscheduler(serve.proc.pid) == os.SCHED_OTHER  # the launcher itself, after Ray's start
+
+
+HEAP_SCRIPT = textwrap.dedent("""
+    import gc, weakref
+    from epd.tensors import freeze_startup_heap
+
+    gc.disable()  # only the explicit collection below may free the cycle
+    class Node:
+        pass
+    freed = []
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # garbage that only the collector frees
+    weakref.finalize(a, freed.append, "cycle")
+    del a, b
+    kept = [Node() for _ in range(1000)]
+    print("not served", freeze_startup_heap(), gc.get_freeze_count(), freed)
+    frozen = freeze_startup_heap(served=True)
+    print("served", frozen >= 1000, frozen == gc.get_freeze_count(), freed,
+          any(o is kept for o in gc.get_objects()))
+""")
+
+
+def test_a_served_process_frees_its_garbage_then_freezes_the_rest_and_any_other_keeps_its_heap():
+    """``freeze_startup_heap``: outside a Ray worker nothing; in one (``served``) the cycles that
+    are garbage already are freed first, then every object left (the 1,000 kept) leaves the
+    collector's view, so a full collection no longer walks them."""
+    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["not served 0 0 []", "served True True ['cycle'] False"], out.stdout
