@@ -179,7 +179,6 @@ def test_a_served_process_frees_its_garbage_then_freezes_the_rest_and_any_other_
     """``freeze_startup_heap``: outside a Ray worker nothing; in one (``served``) the cycles that
     are garbage already are freed first, then every object left (the 1,000 kept) leaves the
     collector's view, so a full collection no longer walks them."""
-    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["not served 0 0 []", "served True True ['cycle'] False"], out.stdout
