@@ -210,9 +210,17 @@ def decode_tiles() -> bool:
 
 
 def decode_screens() -> bool:
-    """Whether greedy rows' LM head can be screened on int8 AMX tiles in this process
-    (``epd/csrc/greedy_screen.h``: a CPU with AMX-INT8, ``EPD_DECODE_AMX`` not ``0``)."""
-    return decode_ops() and bool(torch.ops.epd_decode.screens())
+    """Whether greedy rows' LM head can be screened on int8 in this process
+    (``epd/csrc/greedy_screen.h``: a CPU with AMX-INT8 or AVX-512 VNNI)."""
+    return decode_screen_kind() is not None
+
+
+def decode_screen_kind() -> str | None:
+    """How greedy rows' LM head is screened in this process: ``"tiles"`` (AMX-INT8,
+    ``EPD_DECODE_AMX`` not ``0``), ``"vector"`` (AVX-512 VNNI), or None."""
+    if not decode_ops():
+        return None
+    return {1: "tiles", 2: "vector"}.get(int(torch.ops.epd_decode.screens()))
 
 
 def _load_decode_ops() -> bool:

@@ -532,15 +532,20 @@ class GreedyScreen:
     the full head's logits give it, reading an int8 copy of the head (half the bytes of
     bfloat16, a quarter of float32) instead of the head.
 
-    ``torch.ops.epd_decode.screen`` multiplies the rows by the int8 copy on AMX tiles and bounds
-    each logit (the copy's rounding, the rows' own, the float32 sums'); only the columns whose
-    upper bound reaches a row's best lower bound can hold its maximum (with bfloat16 logits,
-    whose upper bound rounds to the lower bound's rounded value or above: ties after rounding
-    stay in). Those columns are multiplied by the head's own panels with the head's own kernel,
-    so their logits are bit for bit the full head's, and the first maximum among them
-    (ascending) is the full head's first maximum
+    The C++ screen multiplies the rows by the int8 copy and bounds each logit (the copy's
+    rounding, the rows' own, the float32 sums'); only the columns whose upper bound reaches a
+    row's best lower bound can hold its maximum (with bfloat16 logits, whose upper bound rounds
+    to the lower bound's rounded value or above: ties after rounding stay in). Those columns are
+    multiplied by the head's own kernel (``linear_float``), so their logits are bit for bit the
+    full head's, and the first maximum among them (ascending) is the full head's first maximum
     (``epd/csrc/greedy_screen.h`` has the bounds). Why: the head is a third of the bytes a decode
     step streams (508 of ~1,500 MB for qwen3.5-0.8b in bfloat16).
+
+    Two ways, as the CPU allows (``fused.decode_screen_kind``): on AMX-INT8 tiles
+    (``torch.ops.epd_decode.screen``: two int8 levels of the rows, a few dozen columns left a
+    row, multiplied as the head's whole panels), or on AVX-512 VNNI registers
+    (``screen_vector``: one level, half the tiles' arithmetic, which on those CPUs costs as much
+    as the bytes; ~60 columns left a row, gathered from the head's rows and packed).
 
     ``argmax`` returns None (the caller multiplies the whole head) when a row is not finite or
     too many columns remain (rows with no clear maximum, as an all-zero row)."""
@@ -550,9 +555,25 @@ class GreedyScreen:
             raise ValueError(f"the screen's weight {tuple(weight.shape)} is not the head's "
                              f"{(head.out_features, head.in_features)}")
         self.head = head
-        self.packed, self.scale, self.l1 = torch.ops.epd_decode.pack_i8(weight.detach())
+        self.tiles = fused.decode_screen_kind() == "tiles"
+        # the head's rows, for the vector path's gather (the tied embedding table or the runner's
+        # own head weight: no copy)
+        self.weight = None if self.tiles else weight.detach()
+        # the vector path's copy holds q + 128 (vpdpbusd's unsigned operand)
+        self.packed, self.scale, self.l1, self.l2, self.rounding = \
+            torch.ops.epd_decode.pack_i8(weight.detach(), not self.tiles)
         self.screened = 0  # products answered from the screen
         self.full = 0  # ... and those that fell back to the whole head
+
+    def columns(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's columns that may hold a maximum of ``rows [B, K]`` (contiguous rows),
+        ascending, each once; empty when the screen cannot decide."""
+        bf16 = self.head.dtype == torch.bfloat16
+        n = self.head.out_features
+        if self.tiles:
+            return torch.ops.epd_decode.screen(rows, self.packed, self.scale, self.l1, n, bf16)
+        return torch.ops.epd_decode.screen_vector(rows, self.packed, self.scale, self.l1, self.l2, self.rounding,
+                                                  n, bf16)
 
     def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``hidden [B, K]`` (final-normed) -> (each row's first-maximum index ``[B]`` int64, the
@@ -561,17 +582,25 @@ class GreedyScreen:
         rows = hidden.reshape(-1, self.head.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        n = self.head.out_features
-        columns = torch.ops.epd_decode.screen(rows, self.packed, self.scale, self.l1, n,
-                                              self.head.dtype == torch.bfloat16)
+        columns = self.columns(rows)
         if columns.numel() == 0:
             self.full += 1
             return None
         self.screened += 1
-        panels, width = self.panels(columns)
-        logits = torch.ops.epd_decode.linear_float(rows, self.head.weight.index_select(0, panels), width, None)
+        if self.tiles:
+            panels, width = self.panels(columns)
+            logits = torch.ops.epd_decode.linear_float(rows, self.head.weight.index_select(0, panels), width, None)
+            index, finite = torch.ops.epd_decode.greedy_rows(logits)
+            return panels[index // 16] * 16 + index % 16, finite
+        logits = torch.ops.epd_decode.linear_float(rows, self.gathered(columns), columns.numel(), None)
         index, finite = torch.ops.epd_decode.greedy_rows(logits)
-        return panels[index // 16] * 16 + index % 16, finite
+        return columns[index], finite
+
+    def gathered(self, columns: torch.Tensor) -> torch.Tensor:
+        """The head's rows ``columns`` packed as the few-row kernel's panels: each column's logit
+        from them is bit for bit the head's (the kernel sums each output lane alone, in the same
+        order, whichever panel and lane holds the column)."""
+        return torch.ops.epd_decode.pack(self.weight, columns)
 
     def panels(self, columns: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The head's panels (of 16 columns) that hold ``columns`` (ascending), ascending, and
@@ -593,7 +622,7 @@ class GreedyScreen:
 
 def can_screen(head, weight: torch.Tensor) -> bool:
     """Whether ``GreedyScreen`` serves this LM head: epd's few-row kernel holds it, the CPU and
-    build have AMX-INT8, ``EPD_GREEDY_SCREEN`` is not ``0``."""
+    build have AMX-INT8 or AVX-512 VNNI, ``EPD_GREEDY_SCREEN`` is not ``0``."""
     return (isinstance(head, DecodeLinear) and weight.device.type == "cpu"
             and os.environ.get("EPD_GREEDY_SCREEN", "1") != "0" and fused.decode_screens())
 

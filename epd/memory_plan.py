@@ -223,8 +223,9 @@ def role_need(raw: dict, role: str, dtype: str, *, max_batch_size: int = 32, kv_
         need.parts["linear-attention slots"] = max_batch_size * slot_state_bytes(raw, dtype)
         need.parts["swap space"] = swap_space_bytes
         need.parts["activations"] = max_batch_size * (t["vocab_size"] * 4 + 16 * t["hidden_size"] * size)
-        # the LM head's int8 copy that screens greedy rows (kernels.GreedyScreen; CPUs with AMX-INT8)
-        need.parts["greedy screen"] = t["vocab_size"] * (t["hidden_size"] + 8)
+        # the LM head's int8 copy that screens greedy rows and its four float figures a column
+        # (kernels.GreedyScreen; CPUs with AMX-INT8 or AVX-512 VNNI)
+        need.parts["greedy screen"] = t["vocab_size"] * (t["hidden_size"] + 16)
     elif role == "prefill":
         widest = max(t.get("intermediate_size") or 0,
                      (t.get("num_experts_per_tok") or 0) * (t.get("moe_intermediate_size") or 0),

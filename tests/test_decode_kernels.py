@@ -78,6 +78,20 @@ def test_the_wide_path_computes_what_the_few_row_kernel_does(dtype, rows, ops):
     _close(wide, torch.ops.epd_decode.linear(x, packed, 1000, bias), dtype, inputs=3000)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 67])
+def test_packing_chosen_rows_is_packing_their_copy(dtype, width, ops):
+    """``pack(W, rows)`` (the greedy screen's gather) is ``pack(W[rows])``: any order, repeats, a
+    last partial panel, an odd bfloat16 width (its last pair half empty); a row out of range is
+    an error, not a read past the weight."""
+    gen = torch.Generator().manual_seed(width)
+    weight = torch.randn(300, width, generator=gen).to(dtype)
+    rows = torch.tensor([299, 0, 17, 17, 5, *range(100, 130), 298])
+    assert torch.equal(torch.ops.epd_decode.pack(weight, rows), torch.ops.epd_decode.pack(weight[rows]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.epd_decode.pack(weight, torch.tensor([3, 300]))
+
+
 def test_without_onednn_bfloat16_every_bfloat16_linear_layer_is_packed_for_epds_kernel(tiny_model_dir, ops,
                                                                                         monkeypatch, request):
     """On a CPU where oneDNN has no bfloat16 kernels (AVX2 only: ATen's bfloat16 products run at
@@ -508,7 +522,7 @@ def test_decode_linear_float_output_is_the_product_then_float(dtype, rows, ops):
 @pytest.fixture
 def screens(ops):
     if not fused.decode_screens():
-        pytest.skip("the greedy screen needs AMX-INT8 (this CPU or build has none)")
+        pytest.skip("the greedy screen needs AMX-INT8 or AVX-512 VNNI (this CPU or build has neither)")
 
 
 def _full_argmax(head: kernels.DecodeLinear, x: torch.Tensor) -> torch.Tensor:
@@ -547,14 +561,17 @@ def test_the_greedy_screen_is_the_full_heads_first_maximum(dtype, rows, shape, s
     index, finite = got
     assert index.tolist() == _full_argmax(head, x).tolist() and finite.all()
     assert index[0].item() in [11, *near.tolist()]
-    columns = torch.ops.epd_decode.screen(x, screen.packed, screen.scale, screen.l1, vocab,
-                                          dtype == torch.bfloat16)
+    columns = screen.columns(x)
     assert 0 < columns.numel() < vocab // 4 and bool((columns[1:] > columns[:-1]).all())
-    panels, width = screen.panels(columns)
-    assert bool((panels[1:] > panels[:-1]).all()) and set((columns // 16).tolist()) == set(panels.tolist())
-    held = (panels[:, None] * 16 + torch.arange(16)).flatten()[:width]
-    assert torch.equal(torch.ops.epd_decode.linear_float(x, head.weight.index_select(0, panels), width, None),
-                       head.forward_float(x)[:, held])
+    if screen.tiles:  # the exact product over the columns' whole panels
+        panels, width = screen.panels(columns)
+        assert bool((panels[1:] > panels[:-1]).all()) and set((columns // 16).tolist()) == set(panels.tolist())
+        held = (panels[:, None] * 16 + torch.arange(16)).flatten()[:width]
+        exact = torch.ops.epd_decode.linear_float(x, head.weight.index_select(0, panels), width, None)
+    else:  # ... over the columns alone, gathered from the head's rows
+        held = columns
+        exact = torch.ops.epd_decode.linear_float(x, screen.gathered(columns), columns.numel(), None)
+    assert torch.equal(exact, head.forward_float(x)[:, held])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

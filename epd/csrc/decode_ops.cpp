@@ -636,26 +636,52 @@ void linear_wide_impl(const at::Tensor& x, const at::Tensor& packed, const c10::
 }
 
 // W [N, K] -> panels: bfloat16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/16), K, 16]; padding zero.
-at::Tensor pack(const at::Tensor& weight) {
+// With `rows` (int64 [R]), W's rows `rows` in that order, as pack(W[rows]) without the copy (the
+// greedy screen's gather of the columns it leaves).
+at::Tensor pack(const at::Tensor& weight, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "epd_decode.pack: a 2-D CPU weight");
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "epd_decode.pack: bfloat16 or float32, got ", dtype);
-  const int64_t n = weight.size(0), k = weight.size(1), step = dtype == at::kBFloat16 ? 2 : 1;
+  const int64_t k = weight.size(1), step = dtype == at::kBFloat16 ? 2 : 1;
+  const int64_t* index = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous(),
+                "epd_decode.pack: rows must be a contiguous int64 vector");
+    index = rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows->numel(); ++i)
+      TORCH_CHECK(index[i] >= 0 && index[i] < weight.size(0), "epd_decode.pack: row ", index[i], " out of range");
+  }
+  const int64_t n = index ? rows->numel() : weight.size(0);
   const int64_t panels = (n + kPanel - 1) / kPanel, steps = (k + step - 1) / step;
   at::Tensor w = weight.contiguous();
   at::Tensor packed = at::zeros({panels, steps, kPanel * step}, weight.options());
   const int64_t elem = w.element_size();
   const char* src = static_cast<const char*>(w.data_ptr());
   char* dst = static_cast<char*>(packed.data_ptr());
+  // a step's elements are 4 bytes either way (a bfloat16 pair, one float32), moved as one; an odd
+  // bfloat16 width's last pair holds one element
+  const int64_t whole = k / step;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
-        const char* row = src + (p * kPanel + c) * k * elem;
-        for (int64_t kk = 0; kk < k; ++kk) {
-          const int64_t s = kk / step, lane = kk % step;
-          std::memcpy(dst + ((p * steps + s) * kPanel * step + c * step + lane) * elem, row + kk * elem, elem);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t width = std::min<int64_t>(kPanel, n - p * kPanel);
+      const char* from[kPanel];
+      for (int64_t c = 0; c < width; ++c) {
+        const int64_t i = p * kPanel + c;
+        from[c] = src + (index ? index[i] : i) * k * elem;
+      }
+      char* out = dst + p * steps * kPanel * 4;
+      // a cache line of each row at a time (16 steps), the line after next prefetched: the rows
+      // stream side by side and each line of the panel is written whole (a gather's rows are cold)
+      for (int64_t s0 = 0; s0 < whole; s0 += 16) {
+        const int64_t s1 = std::min<int64_t>(whole, s0 + 16);
+        for (int64_t c = 0; c < width; ++c) {
+          _mm_prefetch(from[c] + (s0 + 32) * 4, _MM_HINT_T0);
+          for (int64_t s = s0; s < s1; ++s) std::memcpy(out + (s * kPanel + c) * 4, from[c] + s * 4, 4);
         }
       }
+      if (whole < steps)
+        for (int64_t c = 0; c < width; ++c) std::memcpy(out + (whole * kPanel + c) * 4, from[c] + whole * 4, elem);
+    }
   });
   return packed;
 }
@@ -1315,18 +1341,23 @@ bool tiles() {
 #endif
 }
 
-// Whether greedy rows' LM head can be screened on int8 tiles (greedy_screen.h) in this build and process.
-bool screens() {
-#ifdef EPD_DECODE_SCREEN
-  return amx_enabled();
+// How greedy rows' LM head can be screened on int8 (greedy_screen.h) in this build and process:
+// 1 on AMX-INT8 tiles (two levels of the rows, few columns left), 2 on AVX-512 VNNI registers (one
+// level, a few thousand columns left, gathered by the caller), 0 not at all.
+int64_t screens() {
+#ifdef EPD_DECODE_SCREEN_TILES
+  if (amx_enabled()) return 1;
+#endif
+#ifdef EPD_DECODE_SCREEN_VECTOR
+  return 2;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 TORCH_LIBRARY(epd_decode, m) {
   m.def("tiles() -> bool", &tiles);
-  m.def("pack(Tensor weight) -> Tensor");
+  m.def("pack(Tensor weight, Tensor? rows=None) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_float(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
@@ -1336,10 +1367,16 @@ TORCH_LIBRARY(epd_decode, m) {
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
         "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write) -> Tensor");
   m.def("greedy_rows(Tensor logits) -> (Tensor, Tensor)");
-  m.def("screens() -> bool", &screens);
+  m.def("screens() -> int", &screens);
 #ifdef EPD_DECODE_SCREEN
-  m.def("pack_i8(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("pack_i8(Tensor weight, bool offset) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+#endif
+#ifdef EPD_DECODE_SCREEN_TILES
   m.def("screen(Tensor x, Tensor packed, Tensor scale, Tensor l1, int n, bool bf16_logits) -> Tensor");
+#endif
+#ifdef EPD_DECODE_SCREEN_VECTOR
+  m.def("screen_vector(Tensor x, Tensor packed, Tensor scale, Tensor l1, Tensor l2, Tensor rounding, int n, "
+        "bool bf16_logits) -> Tensor");
 #endif
 }
 
@@ -1355,6 +1392,11 @@ TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("greedy_rows", &greedy_rows);
 #ifdef EPD_DECODE_SCREEN
   m.impl("pack_i8", &pack_i8);
+#endif
+#ifdef EPD_DECODE_SCREEN_TILES
   m.impl("screen", &screen);
+#endif
+#ifdef EPD_DECODE_SCREEN_VECTOR
+  m.impl("screen_vector", &screen_vector);
 #endif
 }
