@@ -232,14 +232,23 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     dim]`` (any strides) -> ``[1, L, heads, dim]`` in the query's dtype: transformers' attention
     interface contract (``sdpa_attention_forward``), registered as ``ATTENTION``.
 
-    Scores, softmax and the weighted sum in float32 with the products through oneDNN, a block of
-    query rows at a time (at most ``_SCORE_ELEMENTS`` scores live): for a 448x448 image (784
-    patches, 12 heads of 64) 13-14 ms a layer against the fused SDPA kernel's 20-23 on this CPU
-    at a low load (bfloat16's fused kernel also accumulates in float32); under heavy load the
-    float32 case tied, so ``use_for_vision`` uses it in bfloat16 only. Anything else (a mask, dropout, a
+    bfloat16, where the CPU has AVX-512 BF16: ``epd_gdn_chunk.vision_attention``
+    (``epd/csrc/vision_attention.h``), scores as bfloat16 products summed in float32, the softmax
+    in float32 and its weights rounded to bfloat16 for the weighted sum, as torch's fused CPU
+    kernel rounds them: 12.6-14.5 ms a layer of a 448x448 image (784 patches, 12 heads of 64) on
+    one AMD EPYC core against 19-36 for the float32 products below and 24-30 for the fused SDPA
+    kernel (docs/BENCHMARKS.md). Otherwise scores, softmax and the weighted sum in float32 with
+    the products through oneDNN, a block of query rows at a time (at most ``_SCORE_ELEMENTS``
+    scores live): 13-14 ms a layer against the fused SDPA kernel's 20-23 on this CPU at a low
+    load (bfloat16's fused kernel also accumulates in float32); under heavy load the float32 case
+    tied, so ``use_for_vision`` uses it in bfloat16 only. Anything else (a mask, dropout, a
     device other than a CPU, no oneDNN operator) goes to transformers' SDPA function unchanged."""
-    if (attention_mask is not None or dropout or query.device.type != "cpu" or torch.is_grad_enabled()
-            or not available()):  # without oneDNN's products the fused kernel is the faster one
+    fallback = attention_mask is not None or dropout or query.device.type != "cpu" or torch.is_grad_enabled()
+    fused_op = None if fallback or query.dtype != torch.bfloat16 else _bf16_attention_op()
+    if fused_op is not None:
+        query, key, value = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (query, key, value))
+        return fused_op(query, key, value, scaling).unsqueeze(0), None
+    if fallback or not available():  # without oneDNN's products the fused kernel is the faster one
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -261,6 +270,14 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             weights = scores.softmax(dim=-1)
             out[part, head] = matmul(weights, value[head].unsqueeze(0))[0]
     return out.to(dtype).unsqueeze(0), None
+
+
+def _bf16_attention_op():
+    """``torch.ops.epd_gdn_chunk.vision_attention`` where its build has it (a CPU with AVX-512 BF16)
+    and the prefill kernels are on; None otherwise."""
+    if gdn_chunk_op() is None:
+        return None
+    return getattr(torch.ops.epd_gdn_chunk, "vision_attention", None)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -345,7 +362,7 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
         vision.patch_embed.proj = PatchProjection(proj)
     fuse_mlp_activations(vision)
     use_rotary_kernel(vision)
-    if weight.dtype == torch.float32 or not available():
+    if weight.dtype == torch.float32 or not (available() or (weight.dtype == torch.bfloat16 and _bf16_attention_op())):
         return False
     if weight.dtype == torch.bfloat16 and kernels.amx_bf16():
         # torch's fused SDPA kernel multiplies on AMX tiles there: 5.8 ms a layer of a 448x448

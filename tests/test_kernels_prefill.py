@@ -131,6 +131,34 @@ def test_vision_attention_matches_sdpa(dtype, blocks, monkeypatch):
     torch.testing.assert_close(ours.float(), expected.transpose(1, 2), rtol=0, atol=tolerance)
 
 
+@pytest.mark.parametrize("length", [1, 15, 50, 301])
+@pytest.mark.parametrize("dim", [16, 64, 80])
+@torch.inference_mode()
+def test_the_bfloat16_attention_kernel_is_sdpa_within_bfloat16s_rounding(length, dim):
+    """``epd_gdn_chunk.vision_attention`` (AVX-512 BF16) against float32 attention on the same
+    bfloat16 inputs: within what torch's own fused bfloat16 kernel is (it rounds the softmax's
+    weights to bfloat16 too), for lengths that are not whole panels of keys or blocks of rows,
+    head widths of one, four and five panels, strided views as the vision block gives them; and
+    constant values come back exactly (the weights are divided by their own sum)."""
+    op = kernels_prefill._bf16_attention_op()
+    if op is None:
+        pytest.skip("needs AVX-512 BF16 and the prefill kernels")
+    gen = torch.Generator().manual_seed(length + dim)
+    heads = 3
+    qkv = torch.randn(length, 3, heads, dim, generator=gen).bfloat16().permute(1, 0, 2, 3) * 2
+    query, key, value = (t.transpose(0, 1) for t in qkv.unbind(0))  # [heads, L, dim], strided
+    got = op(query, key, value, dim ** -0.5)
+    assert got.shape == (length, heads, dim) and got.dtype == torch.bfloat16
+    exact = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=dim ** -0.5).transpose(0, 1)
+    torch_bf16 = F.scaled_dot_product_attention(query, key, value, scale=dim ** -0.5).transpose(0, 1)
+    ours, theirs = (got.float() - exact).abs().max().item(), (torch_bf16.float() - exact).abs().max().item()
+    assert ours <= 2 * theirs + 1e-2, (ours, theirs)
+    constant = torch.full_like(value, 0.3).bfloat16()
+    assert torch.equal(op(query, key, constant, 0.1), constant.transpose(0, 1).contiguous())
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(query[..., :8].contiguous(), key[..., :8].contiguous(), value[..., :8].contiguous(), 1.0)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()

@@ -27,7 +27,8 @@
 // causal conv of a chunk on top of its window, with SiLU), gated_norm (the gated RMSNorm after the
 // rule), rotary (apply_rotary_pos_emb_vision); each says how it rounds.
 //
-// Registered as torch.ops.epd_gdn_chunk.{chunk_rule, conv, gated_norm, rotary} (TORCH_LIBRARY, no
+// Registered as torch.ops.epd_gdn_chunk.{chunk_rule, conv, gated_norm, rotary, vision_attention}
+// (vision_attention.h: where the CPU has AVX-512 BF16) (TORCH_LIBRARY, no
 // pybind11). Built at first use by epd/kernels_prefill.py through epd/fused.py's compile_library.
 
 #include <ATen/Parallel.h>
@@ -47,6 +48,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -539,6 +542,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+#include "vision_attention.h"
+
 }  // namespace
 
 TORCH_LIBRARY(epd_gdn_chunk, m) {
@@ -547,6 +552,9 @@ TORCH_LIBRARY(epd_gdn_chunk, m) {
   m.def("conv(Tensor x, Tensor? window, Tensor taps, Tensor? bias, bool silu) -> (Tensor, Tensor)");
   m.def("gated_norm(Tensor core, Tensor z, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+#ifdef EPD_VISION_ATTENTION
+  m.def("vision_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(epd_gdn_chunk, CPU, m) {
@@ -554,4 +562,7 @@ TORCH_LIBRARY_IMPL(epd_gdn_chunk, CPU, m) {
   m.impl("conv", &conv);
   m.impl("gated_norm", &gated_norm);
   m.impl("rotary", &rotary);
+#ifdef EPD_VISION_ATTENTION
+  m.impl("vision_attention", &vision_attention);
+#endif
 }
