@@ -6,7 +6,7 @@ in_proj 8224x1024, out_proj 1024x2048; 6 full-attention layers: merged qkv 5120x
 1024x2048; every layer's merged MLP gate_up 7168x1024 and down 1024x3584; the LM head
 248320x1024), each with a weight of its own (1.5 GB in all, so every product reads its weight from
 memory as in a step), as ``torch.ops.epd_decode.linear``. Prints the median over the passes after
-two warm-up ones of the layers' time and the LM head's, and where the CPU has AMX-INT8 the LM
+two warm-up ones of the layers' time and the LM head's, and where the CPU has AMX-INT8 or AVX-512 VNNI the LM
 head's greedy screen too (``kernels.GreedyScreen.argmax``: the int8 copy and the exact product of
 the columns left, after another pass of the layers, so its copy comes from memory as in a step).
 To compare two versions of the kernel, run it from each tree (``git worktree add``): each builds

@@ -9,7 +9,7 @@ layers where a decode replica puts them on this CPU and dtype (``replica``, the 
 ``lm.decode_linear_default``), on epd's few-row kernel (``decode``) or on oneDNN (``onednn``); the
 other options turn each part off, to measure what each is worth. Each step takes every row's
 greedy token as the served loop does for greedy rows (``TextModelRunner.decode_step_greedy``:
-the int8 screen of the LM head where the CPU has AMX-INT8; ``--no-screen``: the whole head's
+the int8 screen of the LM head where the CPU has AMX-INT8 or AVX-512 VNNI; ``--no-screen``: the whole head's
 logits and ``greedy_rows``). A decode-only step runs as the runner's decode plan
 (``lm._DecodePlan``: the layers as direct kernel calls) where it applies; ``--no-plan`` runs the
 module path instead.

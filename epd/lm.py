@@ -165,7 +165,7 @@ class TextModelRunner:
         the dense layout for lookups. A tensor-parallel shard passes ``head=False`` (its head is
         the rank's vocabulary rows, ``VocabParallelHead``). A decode runner whose head is the
         few-row kernel's also screens greedy rows' head (``kernels.GreedyScreen``, where the CPU
-        has AMX-INT8): ``decode_step_greedy``."""
+        has AMX-INT8 or AVX-512 VNNI): ``decode_step_greedy``."""
         if few_rows is None:
             few_rows = decode_linear_default(self.dtype)
         self.decode_plan = None  # built again from the new layers at the next decode step

@@ -103,7 +103,7 @@ def test_decode_rows_ride_prefill_chunks_token_identical(engines, oracle, redis_
     assert results == expected
     assert decode.mixed_steps > 0, "no step carried decode rows and prefill chunks together"
     screen = decode.runner.greedy_screen
-    if screen is not None:  # a CPU with AMX-INT8: the greedy steps' heads went through the screen
+    if screen is not None:  # a CPU with AMX-INT8 or AVX-512 VNNI: the greedy steps' heads went through the screen
         assert screen.screened > 0 and screen.full == 0
     # the step budget is prefill.step_tokens (24), not the prefill replica's batch_tokens (1024)
     assert step_sizes and max(step_sizes) <= 24, step_sizes
