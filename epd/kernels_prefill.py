@@ -235,9 +235,10 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     bfloat16, where the CPU has AVX-512 BF16: ``epd_gdn_chunk.vision_attention``
     (``epd/csrc/vision_attention.h``), scores as bfloat16 products summed in float32, the softmax
     in float32 and its weights rounded to bfloat16 for the weighted sum, as torch's fused CPU
-    kernel rounds them: 12.6-14.5 ms a layer of a 448x448 image (784 patches, 12 heads of 64) on
-    one AMD EPYC core against 19-36 for the float32 products below and 24-30 for the fused SDPA
-    kernel (docs/BENCHMARKS.md). Otherwise scores, softmax and the weighted sum in float32 with
+    kernel rounds them: 12.7 ms a layer of a 448x448 image (784 patches, 12 heads of 64) on one
+    AMD EPYC core against 26.2 for the fused SDPA kernel (``python -m bench.vision_attention``), the
+    tower 1.06-1.10 -> 0.89-0.95 s (docs/BENCHMARKS.md, "Issue 18 on the AMD EPYC again").
+    Otherwise scores, softmax and the weighted sum in float32 with
     the products through oneDNN, a block of query rows at a time (at most ``_SCORE_ELEMENTS``
     scores live): 13-14 ms a layer against the fused SDPA kernel's 20-23 on this CPU at a low
     load (bfloat16's fused kernel also accumulates in float32); under heavy load the float32 case
