@@ -206,7 +206,9 @@ def test_a_killed_prefill_follower_fails_no_request_and_its_replica_comes_back(t
     its prompts on the other; every stream ends with transformers' tokens; the replica comes back
     with a new follower, and there is still one group per replica (none leaked)."""
     num_tokens = 8
-    prompts = [f"Request {i}: " + "tell me about the weather in three sentences. " * 30 for i in range(6)]
+    # long enough that the poll below finds one computing (at 30 repeats all six were done before it
+    # looked, once in three runs on an AMD EPYC)
+    prompts = [f"Request {i}: " + "tell me about the weather in three sentences. " * 60 for i in range(6)]
     want = [oracle.generate_through_eos(oracle.inputs(p, []), num_tokens) for p in prompts]
     roles = tmp_path / "roles.toml"
     roles.write_text("[roles.prefill]\nnum_cpus = 0.5\ntensor_parallel = 2\n")
