@@ -245,7 +245,10 @@ def vision_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     tied, so ``use_for_vision`` uses it in bfloat16 only. Anything else (a mask, dropout, a
     device other than a CPU, no oneDNN operator) goes to transformers' SDPA function unchanged."""
     fallback = attention_mask is not None or dropout or query.device.type != "cpu" or torch.is_grad_enabled()
-    fused_op = None if fallback or query.dtype != torch.bfloat16 else _bf16_attention_op()
+    # the kernel takes head widths of whole 16-lane panels up to 256 (the 0.8b's 64; the 9B's tower
+    # has 72, which goes the float32 way below)
+    fits = query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and query.shape[-1] <= 256
+    fused_op = _bf16_attention_op() if fits and not fallback else None
     if fused_op is not None:
         query, key, value = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (query, key, value))
         return fused_op(query, key, value, scaling).unsqueeze(0), None
@@ -363,7 +366,8 @@ def use_for_vision(vision: torch.nn.Module, prepack: bool = True) -> bool:
         vision.patch_embed.proj = PatchProjection(proj)
     fuse_mlp_activations(vision)
     use_rotary_kernel(vision)
-    if weight.dtype == torch.float32 or not (available() or (weight.dtype == torch.bfloat16 and _bf16_attention_op())):
+    bf16_kernel = weight.dtype == torch.bfloat16 and _bf16_attention_op() is not None
+    if weight.dtype == torch.float32 or not (available() or bf16_kernel):
         return False
     if weight.dtype == torch.bfloat16 and kernels.amx_bf16():
         # torch's fused SDPA kernel multiplies on AMX tiles there: 5.8 ms a layer of a 448x448

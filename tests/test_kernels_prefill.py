@@ -159,6 +159,18 @@ def test_the_bfloat16_attention_kernel_is_sdpa_within_bfloat16s_rounding(length,
         op(query[..., :8].contiguous(), key[..., :8].contiguous(), value[..., :8].contiguous(), 1.0)
 
 
+@needs_operator
+@torch.inference_mode()
+def test_a_head_width_the_kernel_does_not_take_goes_the_float32_way():
+    """A vision tower whose heads are 72 wide (the 9B's: 1,152 / 16) in bfloat16: the attention
+    function does not hand it to the kernel (whole 16-lane panels only) and answers as SDPA."""
+    gen = torch.Generator().manual_seed(72)
+    query, key, value = (torch.randn(1, 2, 40, 72, generator=gen).bfloat16() for _ in range(3))
+    ours, _ = kernels_prefill.vision_attention(None, query, key, value, None, scaling=72 ** -0.5)
+    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=72 ** -0.5)
+    torch.testing.assert_close(ours.float(), expected.transpose(1, 2), rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
