@@ -1148,7 +1148,7 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
       for (int64_t r = first_run; r < last_run; ++r) tokens += runs[2 * r + 1] - runs[2 * r];
       scores.resize(group * tokens);
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < dim; ++i) q[g * dim + i] = to_float(query[(s * heads + kh * group + g) * dim + i]);
+        epd_vec::load_as(q.data() + g * dim, query + (s * heads + kh * group + g) * dim, dim);
       const T* k_head = keys + kh * dim;
       const T* v_head = values + kh * dim;
       for (int64_t g0 = 0; g0 < group; g0 += 4)
@@ -1176,14 +1176,36 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
         const int64_t h = kh * group + g;
         T* o = out + (s * heads + h) * dim;
         const float inv = 1.f / total[g];
+        const float* a = acc.data() + g * dim;
+        int64_t i = 0;
         if (gate) {  // out * sigmoid(gate), each rounded to T as torch's ops in T round
           const T* gt = gate + s * ld_gate + h * 2 * dim + dim;
-          for (int64_t i = 0; i < dim; ++i) {
+#ifdef __AVX512F__
+          // bfloat16 (the performance mode) in 16 lanes: the sigmoid's exp is vec_math's (float32
+          // results within an ulp of std::exp's, then rounded to bfloat16 as before). float32 keeps
+          // std::exp, bit for bit what the parity tests ran: a scalar exp a value was 25% of a
+          // 16-row step's attention (docs/BENCHMARKS.md, "The decode attention's gate in 16 lanes")
+          if constexpr (!std::is_same_v<T, float>) {
+            const __m512 one = _mm512_set1_ps(1.f), scale_by = _mm512_set1_ps(inv);
+            const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+            for (; i + 16 <= dim; i += 16) {
+              const __m512 minus = _mm512_xor_ps(epd_vec::vload(gt + i), sign);  // -x, as the scalar path negates
+              const __m512 sig = epd_vec::vround_bf16(_mm512_div_ps(one, _mm512_add_ps(one, epd_vec::vexp(minus))));
+              const __m512 val = epd_vec::vround_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + i), scale_by));
+              epd_vec::vstore(o + i, _mm512_mul_ps(val, sig));
+            }
+          }
+#endif
+          for (; i < dim; ++i) {
             const float sig = round_to<T>(1.f / (1.f + std::exp(-to_float(gt[i]))));
-            o[i] = static_cast<T>(round_to<T>(acc[g * dim + i] * inv) * sig);
+            o[i] = static_cast<T>(round_to<T>(a[i] * inv) * sig);
           }
         } else {
-          for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(acc[g * dim + i] * inv);
+#ifdef __AVX512F__
+          const __m512 scale_by = _mm512_set1_ps(inv);
+          for (; i + 16 <= dim; i += 16) epd_vec::vstore(o + i, _mm512_mul_ps(_mm512_loadu_ps(a + i), scale_by));
+#endif
+          for (; i < dim; ++i) o[i] = static_cast<T>(a[i] * inv);
         }
       }
     }
