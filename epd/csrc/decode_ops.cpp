@@ -908,15 +908,44 @@ void attention_inputs_impl(const T* qg, int64_t ld_qg, const T* k, int64_t ld_k,
       T* dst = is_query ? query + (s * heads + h) * dim : keys + (write[s] * kv_heads + (h - heads)) * dim;
       epd_vec::load_as<T>(x.data(), src, dim);
       const float inv = 1.f / std::sqrt(epd_vec::sum_squares(x.data(), dim) / static_cast<float>(dim) + eps);
-      for (int64_t i = 0; i < dim; ++i) x[i] = round_to<T>(x[i] * inv * (1.f + to_float(w[i])));
+      // the same float32 products in the same order in 16 lanes as one at a time, each rounded to T
+      // where the torch path rounds (vround_bf16 is the scalar conversion's round-to-nearest-even)
+      int64_t i = 0;
+#ifdef __AVX512F__
+      const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= dim; i += 16) {
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x.data() + i), vinv),
+                                 _mm512_add_ps(one, epd_vec::vload(w + i)));
+        if constexpr (!std::is_same_v<T, float>) y = epd_vec::vround_bf16(y);
+        _mm512_storeu_ps(x.data() + i, y);
+      }
+#endif
+      for (; i < dim; ++i) x[i] = round_to<T>(x[i] * inv * (1.f + to_float(w[i])));
       const T* c = cos + s * ld_cs;
       const T* sn = sin + s * ld_cs;
       const int64_t half = rot / 2;
-      for (int64_t i = 0; i < rot; ++i) {
+      i = 0;
+#ifdef __AVX512F__
+      if (half % 16 == 0) {
+        const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+        for (; i < rot; i += 16) {
+          const __m512 turned = i < half ? _mm512_xor_ps(_mm512_loadu_ps(x.data() + i + half), sign)
+                                         : _mm512_loadu_ps(x.data() + i - half);
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x.data() + i), epd_vec::vload(c + i));
+          __m512 b = _mm512_mul_ps(turned, epd_vec::vload(sn + i));
+          if constexpr (!std::is_same_v<T, float>) {
+            a = epd_vec::vround_bf16(a);
+            b = epd_vec::vround_bf16(b);
+          }
+          epd_vec::vstore(dst + i, _mm512_add_ps(a, b));
+        }
+      }
+#endif
+      for (; i < rot; ++i) {
         const float turned = i < half ? -x[i + half] : x[i - half];
         dst[i] = static_cast<T>(round_to<T>(x[i] * to_float(c[i])) + round_to<T>(turned * to_float(sn[i])));
       }
-      for (int64_t i = rot; i < dim; ++i) dst[i] = static_cast<T>(x[i]);
+      epd_vec::store_as<T>(dst + rot, x.data() + rot, dim - rot);
       if (!is_query) std::memcpy(values + (write[s] * kv_heads + (h - heads)) * dim, v + s * ld_v + (h - heads) * dim,
                                  sizeof(T) * dim);
     }
