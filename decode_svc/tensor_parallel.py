@@ -33,6 +33,7 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from epd.lm import HybridState, TextModelRunner
 from epd.tensor_parallel import gather_state, split_state
+from epd.tensors import forward_team
 from epd.tp_group import FollowerGroup, broadcast_state, follower_main, receive, send, whole_shapes
 
 
@@ -179,6 +180,7 @@ def follow(rank: int, world: int, runner: TextModelRunner) -> None:
                 raise RuntimeError(f"rank {rank} holds slots of lengths {batch.lengths}, rank 0 {message['lengths']}")
             for slot, table in enumerate(message["tables"]):
                 batch.tables[slot][:] = table
+            forward_team()  # this thread's team, given back if a C++ operator's first use reset it
             runner.decode_step(batch, message["tokens"], message["positions"])
         elif op == "add":
             whole = broadcast_state(None, runner, world, message["num_tokens"])

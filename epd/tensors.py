@@ -155,10 +155,20 @@ def _serial_by_default() -> bool:
 
 def thread_team(count: int) -> None:
     """The calling thread's parallel ops run on ``count`` threads; other threads keep theirs.
-    Where teams cannot be set per thread (not libgomp), torch's process-wide count."""
-    if getattr(_TEAM, "size", None) == count:
-        return
+    Where teams cannot be set per thread (not libgomp), torch's process-wide count.
+
+    The thread's OpenMP setting is read back each time rather than trusted from the last call:
+    ATen's first parallel op on a thread sets the thread to torch's process-wide count (1 here,
+    ``_serial_by_default``), once per thread in each library built against ATen, so epd's own C++
+    operators (compiled apart from libtorch, each with its own copy of that first-use flag) put a
+    forward's thread back to one thread at their first parallel op on it. With the size only
+    remembered, a role whose team never changed size then ran every later forward on one thread
+    (a lone replica's; on one machine until the core share first changed its size: the first
+    image of a run encoded on one core of two, docs/BENCHMARKS.md, "Issue 18 on the AMD EPYC, a
+    third time")."""
     gomp, mkl = _openmp()
+    if getattr(_TEAM, "size", None) == count and (gomp is None or gomp.omp_get_max_threads() == count):
+        return
     if gomp is None:
         torch.set_num_threads(count)
     else:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from epd.lm import HybridState, TextModelRunner
 from epd.tensor_parallel import gather_state, split_state
-from epd.tensors import dtype_name, parse_dtype
+from epd.tensors import dtype_name, forward_team, parse_dtype
 from epd.tp_group import FollowerGroup, broadcast_state, broadcast_tensor, follower_main, receive, send, whole_shapes
 
 
@@ -195,8 +195,10 @@ def follow(rank: int, world: int, runner: TextModelRunner) -> None:
             embeds = broadcast_tensor(None, (sum(lengths), hidden_size), parse_dtype(message["dtype"]))
             positions = broadcast_tensor(None, (3, sum(lengths)), torch.long)
             prompt_states = [states.setdefault(shard_id, runner.new_state()) for shard_id in message["ids"]]
+            forward_team()  # this thread's team, given back if a C++ operator's first use reset it
             runner.forward_rows(_chunks(embeds, positions, lengths, prompt_states), frozenset(message["every_row"]))
         elif op == "logits":
+            forward_team()
             runner.logits(broadcast_tensor(None, tuple(message["shape"]), parse_dtype(message["dtype"])))
         elif op == "gather":
             gather_state(runner, states[message["id"]], world)

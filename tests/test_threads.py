@@ -95,6 +95,49 @@ def test_only_forward_threads_hold_an_openmp_team():
     assert serving == "serving [('forward', 2), ('io0', 1), ('io1', 1)] 4"
 
 
+FIRST_OP = textwrap.dedent("""
+    import threading, torch
+    from epd import kernels_prefill
+    from epd.tensors import _openmp, configure_threads, forward_team
+
+    configure_threads(2, "")
+    gomp = _openmp()[0]
+    kernels_prefill.gdn_chunk_op()  # loads epd's own C++ operators, built apart from libtorch
+    conv = torch.ops.epd_gdn_chunk.conv
+    seen = []
+
+    def forward():
+        for _ in range(2):
+            forward_team()
+            seen.append(gomp.omp_get_max_threads())
+            # a parallel op of the library, its first on this thread the first time round
+            conv(torch.ones(1, 64, 2048), None, torch.ones(4, 2048), None, True)
+            seen.append(gomp.omp_get_max_threads())
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join()
+    print(*seen)
+""")
+
+
+def test_a_forward_thread_keeps_its_team_after_an_extension_resets_it():
+    """ATen's first parallel op on a thread in a library built apart from libtorch (epd's C++
+    operators) sets that thread back to torch's process-wide count (1 in a role): the next
+    forward's ``forward_team`` must find that out and give the thread its team again, not trust
+    the size it set before (a lone role ran every forward after its first on one thread)."""
+    from epd import kernels_prefill, tensors
+
+    if tensors._openmp()[0] is None or kernels_prefill.gdn_chunk_op() is None:
+        pytest.skip("needs libgomp and epd's C++ operators")
+    out = subprocess.run([sys.executable, "-c", FIRST_OP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    before_first, after_first, before_second, after_second = map(int, out.stdout.split())
+    assert before_first == 2
+    assert before_second == 2, out.stdout  # the team given back, whatever the first op did to it
+    assert after_second == 2  # the library's first-use reset happens once a thread
+
+
 POLICY = textwrap.dedent("""
     import os, subprocess, sys, threading, time
     from epd import sched
