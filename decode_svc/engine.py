@@ -29,7 +29,7 @@ import torch
 from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
-from epd import discovery, kernels
+from epd import discovery, forward_trace, kernels
 from epd.core_share import forward_turn
 from epd.config import DecodeConfig
 from epd.grammar import GrammarState
@@ -319,6 +319,8 @@ class DecodeEngine:
                     and all(r.sampling.plain_greedy for r in members)
                     and (planned is None or not planned.sample_chunks))
         logits = rows = None
+        forward_trace.note(rows=len(members), prefill_tokens=planned.num_tokens if planned is not None else 0,
+                           prompts=len(planned.chunks) if planned is not None else 0)
         with forward_turn():
             if planned is None:
                 if screened:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import checkpoint, core_share, errors, imaging, kernels, kernels_prefill, limits, memory_plan, rpc, video
+from epd import (checkpoint, core_share, errors, forward_trace, imaging, kernels, kernels_prefill, limits, memory_plan,
+                 rpc, video)
 from epd.core_share import forward_turn
 from epd.config import ServeConfig
 from epd.discovery import Membership, RoleContext
@@ -269,6 +270,7 @@ class EncoderEngine:
         weight = next(self.vision.parameters())
         grid = torch.tensor(grids, dtype=torch.long, device=weight.device)
         patches = torch.cat(pixel_values).to(weight.device, weight.dtype)
+        forward_trace.note(images=len(grids), patches=int(patches.shape[0]))
         with forward_turn():
             out = self.vision(patches, grid_thw=grid).pooler_output.to("cpu")
         merge = self.vision.spatial_merge_size**2

@@ -192,13 +192,19 @@ def rebalance() -> None:
 @contextlib.contextmanager
 def forward_turn() -> Iterator[None]:
     """One forward, with this process's share of the cores (its full thread count when the
-    host has no core share) as the calling thread's team."""
+    host has no core share) as the calling thread's team; traced when ``EPD_FORWARD_TRACE`` names
+    a file (``epd.forward_trace``)."""
+    import torch
+
+    from epd import forward_trace
+
     share = _SHARE
     if share is None:
         from epd.tensors import forward_team
 
         forward_team()  # the process's configured team, on whichever thread runs the forward
-        yield
+        with forward_trace.span(torch.get_num_threads):
+            yield
         return
-    with share.forward():
+    with share.forward(), forward_trace.span(lambda: share.threads):
         yield

@@ -50,6 +50,12 @@ class _Context(logging.Filter):
         return self._role or "driver"
 
 
+def role_name() -> str:
+    """This process's part as its log lines name it: ``EPD_ROLE``, else the Ray actor it hosts
+    (``prefill-2``), else ``driver``."""
+    return _Context().role()
+
+
 def _ray_actor_name() -> str:
     """The Ray actor this process hosts (``router-4``), once Ray has made it; '' before."""
     if "ray" not in sys.modules:

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from epd import discovery, errors, limits, positions
+from epd import discovery, errors, forward_trace, limits, positions
 from epd.core_share import forward_turn
 from epd.config import PrefillConfig
 from epd.grammar import GrammarState
@@ -402,6 +402,7 @@ class PrefillEngine:
             planned = self.take_chunks(0)
             if planned is None:
                 continue
+            forward_trace.note(prefill_tokens=planned.num_tokens, prompts=len(planned.chunks))
             with forward_turn():
                 try:
                     if planned.splits:  # snapshot points inside chunks (only where the states are local)
