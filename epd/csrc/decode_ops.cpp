@@ -926,7 +926,7 @@ void attention_inputs_impl(const T* qg, int64_t ld_qg, const T* k, int64_t ld_k,
       const int64_t half = rot / 2;
       i = 0;
 #ifdef __AVX512F__
-      if (half % 16 == 0) {
+      if (half % 16 == 0 && rot == 2 * half) {  // whole 16-lane blocks in each half
         const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
         for (; i < rot; i += 16) {
           const __m512 turned = i < half ? _mm512_xor_ps(_mm512_loadu_ps(x.data() + i + half), sign)
@@ -1212,8 +1212,8 @@ void attend_impl(const T* query, const T* keys, const T* values, const int64_t* 
 #ifdef __AVX512F__
           // bfloat16 (the performance mode) in 16 lanes: the sigmoid's exp is vec_math's (float32
           // results within an ulp of std::exp's, then rounded to bfloat16 as before). float32 keeps
-          // std::exp, bit for bit what the parity tests ran: a scalar exp a value was 25% of a
-          // 16-row step's attention (docs/BENCHMARKS.md, "The decode attention's gate in 16 lanes")
+          // std::exp, bit for bit what the parity tests ran: a scalar exp a value was a fifth of a
+          // 16-row step's gated attention (docs/BENCHMARKS.md, "The decode attention's gate in 16 lanes")
           if constexpr (!std::is_same_v<T, float>) {
             const __m512 one = _mm512_set1_ps(1.f), scale_by = _mm512_set1_ps(inv);
             const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
