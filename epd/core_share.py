@@ -31,6 +31,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from epd import forward_trace
+
 log = logging.getLogger(__name__)
 
 ENV = "EPD_CORE_SHARE"
@@ -194,12 +196,10 @@ def forward_turn() -> Iterator[None]:
     """One forward, with this process's share of the cores (its full thread count when the
     host has no core share) as the calling thread's team; traced when ``EPD_FORWARD_TRACE`` names
     a file (``epd.forward_trace``)."""
-    import torch
-
-    from epd import forward_trace
-
     share = _SHARE
     if share is None:
+        import torch
+
         from epd.tensors import forward_team
 
         forward_team()  # the process's configured team, on whichever thread runs the forward
