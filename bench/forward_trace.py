@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 
 
@@ -103,4 +104,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        sys.stdout.flush()  # here, where a reader that went away (`... | head`) is caught
+    except BrokenPipeError:
+        from control.cli import quiet_closed_pipe
+
+        quiet_closed_pipe()
+        sys.exit(141)

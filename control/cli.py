@@ -33,11 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`epd status | head -4`): stop quietly, with the shell's status for
         # SIGPIPE; stdout points at /dev/null so the interpreter's last flush finds no pipe either.
-        _quiet_closed_pipe()
+        quiet_closed_pipe()
         return 141
 
 
-def _quiet_closed_pipe() -> None:
+def quiet_closed_pipe() -> None:
+    """After a reader closed our stdout: stdout and stderr to /dev/null, so that nothing more (the
+    interpreter's last flush included) fails on the pipe. Every command-line entry point's way out."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import torch
 
 from bench import forward_trace as reader
 from epd import core_share, forward_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _lines(path) -> list[dict]:
@@ -79,3 +84,19 @@ def test_the_reader_folds_decode_runs_and_sums_each_role(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "10 x 100 ms" in out and "vision 1 image(s), 784 patches" in out
     assert json.loads((tmp_path / "out.json").read_text())["roles"]["encoder-0"]["forwards"] == 1
+
+
+def test_the_reader_stops_quietly_when_its_reader_goes_away(tmp_path):
+    """``python -m bench.forward_trace FILE | head``: no BrokenPipeError traceback, the shell's
+    status for SIGPIPE."""
+    records = [_record(("encoder-0", "prefill-2")[i % 2], 100.0 + i, 100.5 + i, images=1, patches=784)
+               for i in range(4000)]  # ~400 KB of timeline: far past the pipe's buffer
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    reading = subprocess.Popen([sys.executable, "-m", "bench.forward_trace", str(path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=ROOT)
+    assert b"encoder-0" in reading.stdout.readline()
+    reading.stdout.close()  # as `head -1` does
+    stderr = reading.stderr.read().decode()
+    assert reading.wait(timeout=60) == 141, stderr
+    assert stderr == ""
