@@ -65,7 +65,7 @@ def create(config: DeployConfig, role: str, name: str, registry, serve: ServeCon
                "lifetime": "detached", "max_restarts": config.max_restarts, "max_task_retries": 0,
                "scheduling_strategy": reserve_ranks(config, role, name) or "SPREAD"}
     if role in MODEL_ROLES and (preload := allocator.role_env()):
-        # the job's runtime environment (log settings) plus the allocator, read at the process's start
+        # the job's runtime environment (log settings) plus the allocator's (jemalloc, huge pages), read at its start
         job = logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"), os.environ.get(logs.LEVEL_ENV, "INFO"))
         options["runtime_env"] = {**job, "env_vars": {**job["env_vars"], **preload}}
     context = discovery.RoleContext(name=name, host=bind_host(config, role), registry=registry,
