@@ -1,6 +1,6 @@
 """The memory allocator of the model roles' processes: jemalloc (the copy Ray ships with its wheel)
 in place of glibc's malloc, set up before the process starts (``LD_PRELOAD``), and torch's large
-CPU buffers on transparent huge pages (``THP_MEM_ALLOC_ENABLE``).
+CPU buffers on transparent huge pages where the operator asks for it (``THP_MEM_ALLOC_ENABLE``).
 
 Why: a role runs its forwards on a thread of its own (the decode loop, the encoder's worker), not
 on the process's main thread (Ray's). glibc gives such a thread an arena of its own made of heaps
@@ -21,17 +21,16 @@ left as it is (the operator chose an allocator). The library path is this host's
 cluster whose nodes keep Ray elsewhere gets a warning from the loader on those nodes, which then
 run with glibc's allocator.
 
-Huge pages: a decode step streams every weight once (~1.25 GB for the 0.8b in bfloat16, with the
-screen's int8 head) and each row's recurrent state (1 MiB a row in each linear-attention layer): one TLB
-entry a 4 KiB page. torch's CPU allocator, with ``THP_MEM_ALLOC_ENABLE=1``, aligns each buffer
-of 2 MiB or more to 2 MiB and advises the kernel to back it with huge pages (``MADV_HUGEPAGE``,
-which the kernel honours in its default ``madvise`` mode): the packed weights, the K/V pool and
-the state slots. A bfloat16 decode step of the 0.8b in process, alternated: 8 rows 46.8-48.0 ms
-against 50.7-51.1, 16 rows 76.1-82.4 against 83.3-92.4 (docs/BENCHMARKS.md, "Huge pages"; served,
-the gain was within the host's noise). It costs up to 2 MiB of alignment a buffer, and a buffer's
-memory is taken 2 MiB at a time as it is first touched. ``THP_MEM_ALLOC_ENABLE=0`` in the
-launching environment turns it off; a kernel whose transparent huge pages are ``never`` ignores
-the advice.
+Huge pages: torch's CPU allocator, with ``THP_MEM_ALLOC_ENABLE=1``, aligns each buffer of 2 MiB
+or more to 2 MiB and advises the kernel to back it with huge pages (``MADV_HUGEPAGE``): the packed
+weights, the K/V pool, the recurrent-state slots, which a decode step streams once each. Where
+the launching environment sets it, the roles get the same value on every node (a cluster's
+roles do not inherit the deploying shell's environment). It is off by default: in process a
+bfloat16 decode step of the 0.8b was 2-8% shorter with it (alternated: 8 rows 46.8-48.0 against
+50.7-51.1 ms, 16 rows 76.1-82.4 against 83.3-92.4), but served, on W1 and W2, the difference
+stayed within the test machine's noise (docs/BENCHMARKS.md, "Huge pages"), and with the kernel's
+``madvise`` defrag a fault in such a buffer may compact memory on the spot, a stall a
+long-running host with fragmented memory can see.
 """
 
 from __future__ import annotations
@@ -58,12 +57,12 @@ def library() -> str | None:
 
 
 def role_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The environment variables of a model role's process: torch's huge pages (on unless the
-    environment says ``THP_MEM_ALLOC_ENABLE`` itself) and jemalloc (unless turned off or another
-    allocator is preloaded); empty off Linux."""
+    """The environment variables of a model role's process: jemalloc (unless turned off or another
+    allocator is preloaded), and the operator's own ``THP_MEM_ALLOC_ENABLE`` where set; empty off
+    Linux."""
     if not sys.platform.startswith("linux"):
         return {}
-    env = {THP_ENV: environ.get(THP_ENV, "1")}
+    env = {THP_ENV: environ[THP_ENV]} if THP_ENV in environ else {}
     path = library()
     if environ.get(ENV, "1") != "0" and not environ.get("LD_PRELOAD") and path is not None:
         env.update({"LD_PRELOAD": path, "MALLOC_CONF": environ.get("MALLOC_CONF", CONF)})

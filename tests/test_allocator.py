@@ -1,5 +1,5 @@
 """The model roles' allocator (epd.allocator): when jemalloc is preloaded, that a process started
-with it runs torch, and that its large tensors land on huge pages."""
+with it runs torch, and that the operator's huge-page setting reaches it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import pytest
 from epd import allocator
 
 LINUX = sys.platform.startswith("linux")
-needs_jemalloc = pytest.mark.skipif(allocator.library() is None or not LINUX, reason="Ray's wheel ships no jemalloc here")
+needs_jemalloc = pytest.mark.skipif(allocator.library() is None or not LINUX,
+                                    reason="Ray's wheel ships no jemalloc here")
 
 
 @needs_jemalloc
 def test_role_env_preloads_rays_jemalloc_with_epds_settings():
     env = allocator.role_env({})
-    assert env == {"LD_PRELOAD": allocator.library(), "MALLOC_CONF": allocator.CONF, allocator.THP_ENV: "1"}
+    assert env == {"LD_PRELOAD": allocator.library(), "MALLOC_CONF": allocator.CONF}
     assert os.path.basename(env["LD_PRELOAD"]) == "libjemalloc.so" and os.path.isfile(env["LD_PRELOAD"])
     # the operator's own jemalloc settings win
     assert allocator.role_env({"MALLOC_CONF": "narenas:2"})["MALLOC_CONF"] == "narenas:2"
@@ -26,13 +27,14 @@ def test_role_env_preloads_rays_jemalloc_with_epds_settings():
 
 @pytest.mark.skipif(not LINUX, reason="jemalloc and huge pages are set up on Linux only")
 @pytest.mark.parametrize("environ", [{allocator.ENV: "0"}, {"LD_PRELOAD": "/usr/lib/libtcmalloc.so"}])
-def test_no_jemalloc_when_turned_off_or_another_allocator_is_preloaded(environ):
-    assert allocator.role_env(environ) == {allocator.THP_ENV: "1"}
+def test_role_env_is_empty_when_turned_off_or_another_allocator_is_preloaded(environ):
+    assert allocator.role_env(environ) == {}
 
 
 @pytest.mark.skipif(not LINUX, reason="jemalloc and huge pages are set up on Linux only")
-def test_the_operators_own_huge_page_setting_is_passed_on():
-    assert allocator.role_env({allocator.THP_ENV: "0"})[allocator.THP_ENV] == "0"
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_operators_own_huge_page_setting_is_passed_on(setting):
+    assert allocator.role_env({allocator.THP_ENV: setting, allocator.ENV: "0"}) == {allocator.THP_ENV: setting}
 
 
 def _thp_mode() -> str:
@@ -45,20 +47,22 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(not LINUX or _thp_mode() == "never", reason="this kernel gives no transparent huge pages")
 @pytest.mark.parametrize("setting", ["1", "0"])
-def test_a_role_process_puts_its_large_tensors_on_huge_pages(setting):
-    """With the role's environment a 64 MiB tensor is (mostly) huge pages, whatever the kernel's
-    default mode (``madvise`` asks for the advice torch gives); with the operator's ``0`` it is
-    not, where the kernel's mode is ``madvise``."""
+def test_a_role_process_puts_its_large_tensors_on_huge_pages_when_asked(setting):
+    """With the operator's ``1`` passed on, a role's 64 MiB tensor is (mostly) huge pages, whatever
+    the kernel's mode (``madvise`` waits for the advice torch gives); with ``0`` it is not, where
+    the kernel's mode is ``madvise``."""
     code = ("import torch\n"
             "x = torch.empty(64 << 20, dtype=torch.uint8); x.fill_(1)\n"
-            "print(next(int(line.split()[1]) for line in open('/proc/self/smaps_rollup') if 'AnonHugePages' in line))\n")
+            "rollup = open('/proc/self/smaps_rollup').read().splitlines()\n"
+            "print(next(int(line.split()[1]) for line in rollup if 'AnonHugePages' in line))\n")
     env = {k: v for k, v in os.environ.items() if k != allocator.THP_ENV}
     env.update(allocator.role_env({**env, allocator.THP_ENV: setting}))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     huge_kib = int(result.stdout.split()[-1])
     if setting == "1":
-        assert huge_kib >= 32 << 10, result.stdout  # at least half of it (the kernel may lack free huge pages for some)
+        # at least half of it (the kernel may lack free huge pages for some)
+        assert huge_kib >= 32 << 10, result.stdout
     elif _thp_mode() == "madvise":
         assert huge_kib < 32 << 10, result.stdout
 
