@@ -512,6 +512,9 @@ class TextModelRunner:
         return _add_norm(out, residual, self.model.norm)
 
 
+PLAN_CALLS = 4  # a decode step's layers in this many C++ calls: the core share resized between them
+
+
 class _DecodePlan:
     """A decode-only step's layers as direct calls of the C++ kernels (``torch.ops.epd_decode``
     and the fused Gated DeltaNet step) on weights, constants and shapes looked up once, rather
@@ -520,6 +523,13 @@ class _DecodePlan:
     ~200 module calls, reshapes and checks a step. Why: that Python was ~12 of a 109 ms 16-row
     bfloat16 step of qwen3.5-0.8b on two cores (its kernels alone, replayed: 97 ms), and while
     the forward thread runs it the team's other thread has nothing to do.
+
+    The layers run as a few C++ calls (``epd_decode.decode_layers``, ``PLAN_CALLS`` runs of
+    layers) rather than ~10 op calls a layer from Python: each op call gives the GIL up and takes
+    it back, and on a served replica, where other Python threads (the gRPC loop making the tokens'
+    messages, watches) hold it at times, every take-back can wait for them. A served pure-decode
+    load of 8 rows: 67.0-68.9 ms a step against 71.4-71.6 with the calls from Python
+    (docs/BENCHMARKS.md).
 
     It serves a runner whose decode layers are all what the fused path runs: the few-row kernel
     (``kernels.DecodeLinear``) under merged projections, Qwen3.5's RMSNorms, SiLU, the gated norm,
@@ -530,6 +540,57 @@ class _DecodePlan:
         self.layers = layers  # per layer: ("gdn", ...) or ("attention", ...), see build
         self.final_norm = (runner.model.norm.weight, float(runner.model.norm.eps))
         self.first_gdn, self.first_attention = first_gdn, first_attention  # what serves() asks about
+        self.constants: list[tuple] = []  # the Gated DeltaNet layers' _gdn_constants the encoding holds
+        self.segments: list[tuple] = []  # per decode_layers call: (layers, weights, ints, reals)
+
+    def _encode(self) -> None:
+        """The layers as ``torch.ops.epd_decode.decode_layers`` reads them (epd/csrc/decode_ops.cpp,
+        ``LayerReader``: the same order), in ``PLAN_CALLS`` runs of consecutive layers."""
+        constants, encoded = [], []
+        for index, ((w1, eps1), (w2, eps2)), mixer, gate_up, down in self.layers:
+            weights, ints, reals = [w1, w2], [], [eps1, eps2]
+
+            def linear(layer: tuple) -> None:
+                weight, width, bias = layer
+                weights.extend((weight, bias))
+                ints.append(width)
+            if mixer[0] == "gdn":
+                _, (in_proj, sizes), gdn, norm_weight, norm_eps, k_heads, k_dim, v_dim, o_proj = mixer
+                taps, conv_bias, neg_a_exp, dt_bias = _gdn_constants(gdn)
+                constants.append((gdn, taps))
+                ints.append(0)
+                linear(in_proj)
+                ints.extend(sizes)
+                weights.extend((taps, conv_bias, neg_a_exp, dt_bias, norm_weight))
+                reals.append(norm_eps)
+                ints.extend((k_heads, k_dim, v_dim))
+            else:
+                _, (qkv, sizes), q_weight, k_weight, eps, scale, o_proj = mixer
+                ints.append(1)
+                linear(qkv)
+                ints.extend(sizes)
+                weights.extend((q_weight, k_weight))
+                reals.extend((eps, scale))
+            linear(o_proj)
+            linear(gate_up[0])
+            ints.extend(gate_up[1])
+            linear(down)
+            encoded.append((index, mixer[0], weights, ints, reals))
+        per_call, self.segments = -(-len(encoded) // PLAN_CALLS), []
+        for lo in range(0, len(encoded), per_call):
+            run = encoded[lo:lo + per_call]
+            self.segments.append(([(index, kind) for index, kind, *_ in run],
+                                  [weight for *_, weights, _, _ in run for weight in weights],
+                                  [value for *_, ints, _ in run for value in ints],
+                                  [value for *_, reals in run for value in reals]))
+        self.constants = constants
+
+    def _encoded(self) -> list[tuple]:
+        """``segments``, encoded again where a Gated DeltaNet layer's constants were computed again
+        (one of its weights replaced or changed in place: ``_gdn_constants``)."""
+        if not self.segments or any(_gdn_constants(gdn)[0] is not taps for gdn, taps in self.constants):
+            self._encode()
+        return self.segments
 
     @staticmethod
     def _linear(module) -> tuple | None:
@@ -593,33 +654,22 @@ class _DecodePlan:
 
     def run(self, batch: BatchBuffers, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``_decode_layers_fused`` over ``residual [B, hidden]`` (the step's embedding rows,
-        updated in place), ``cos``/``sin`` ``[B, rotary_dim]``: the final-normed rows."""
-        ops, gdn_step = torch.ops.epd_decode, fused.ops()
-        linear, add_rms_norm, silu_mul = ops.linear, ops.add_rms_norm, ops.silu_mul
-        size = residual.shape[0]
-        out = None
-        for index, ((w1, eps1), (w2, eps2)), mixer, (gate_up, halves), down in self.layers:
+        updated in place), ``cos``/``sin`` ``[B, rotary_dim]``: the final-normed rows. The layers
+        run as ``PLAN_CALLS`` C++ calls (``epd_decode.decode_layers``), the core share resized
+        between them."""
+        layers_op, out, rows = torch.ops.epd_decode.decode_layers, None, (None, None, None)
+        for layers, weights, ints, reals in self._encoded():
             core_share.rebalance()
-            normed = add_rms_norm(out, residual, w1, eps1)
-            if mixer[0] == "gdn":
-                _, ((weight, width, bias), sizes), gdn, norm_weight, norm_eps, k_heads, k_dim, v_dim, o_proj = mixer
-                taps, conv_bias, neg_a_exp, dt_bias = _gdn_constants(gdn)  # cached on the module
-                mixed, z, b, a = linear(normed, weight, width, bias).split(sizes, dim=-1)
-                core = gdn_step(mixed, batch.conv[index][:size], taps, conv_bias, a, b, neg_a_exp, dt_bias, z,
-                                norm_weight, norm_eps, batch.recurrent[index][:size], k_heads, k_dim, v_dim)
-            else:
-                _, ((weight, width, bias), sizes), q_weight, k_weight, eps, scale, o_proj = mixer
-                query_gate, key, value = linear(normed, weight, width, bias).split(sizes, dim=-1)
-                keys, values, write, runs, offsets = batch.paged(index)
-                query = ops.attention_inputs(query_gate, key, value, q_weight, k_weight, eps, cos, sin, keys,
-                                             values, write)
-                core = ops.attend(query, keys, values, runs, offsets, scale, query_gate)
-            out = linear(core, *o_proj)
-            normed = add_rms_norm(out, residual, w2, eps2)
-            gate, up = linear(normed, *gate_up).split(halves, dim=-1)
-            out = linear(silu_mul(gate, up), *down)
+            buffers = []
+            for index, kind in layers:
+                if kind == "gdn":
+                    buffers += (batch.conv[index], batch.recurrent[index])
+                else:
+                    keys, values, *rows = batch.paged(index)
+                    buffers += (keys, values)
+            out = layers_op(out, residual, cos, sin, weights, ints, reals, buffers, *rows)
         batch.advance()
-        return add_rms_norm(out, residual, *self.final_norm)
+        return torch.ops.epd_decode.add_rms_norm(out, residual, *self.final_norm)
 
 
 @dataclass

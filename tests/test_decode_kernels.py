@@ -294,7 +294,8 @@ def test_the_decode_plan_is_the_module_path_bit_for_bit(dtype, tiny_model_dir, o
     half way: the final-normed rows, every slot's conv and recurrent state and the K/V pools are
     equal bit for bit."""
     runner = TextModelRunner.load(tiny_model_dir, dtype=dtype, decode=True)
-    assert isinstance(lm._DecodePlan.build(runner), lm._DecodePlan)
+    plan = lm._DecodePlan.build(runner)  # kept for every step, as a served runner keeps it
+    assert isinstance(plan, lm._DecodePlan)
 
     def prompt(seed: int):
         ids = torch.randint(3, 200, (7 + 11 * seed,), generator=torch.Generator().manual_seed(seed))
@@ -314,13 +315,16 @@ def test_the_decode_plan_is_the_module_path_bit_for_bit(dtype, tiny_model_dir, o
             for batch in batches:
                 batch.add(late.clone())
             tokens.append(8)
+        if step == 3:  # a conv weight replaced: the plan's encoded constants are computed again
+            gdn = runner.model.layers[runner.layer_types.index("linear_attention")].linear_attn
+            gdn.conv1d.weight = torch.nn.Parameter(gdn.conv1d.weight.detach() * 1.5, requires_grad=False)
         places = [int(length) for length in batches[0].lengths]
         got = []
         for use, batch in zip((True, False), batches):
-            runner.decode_plan = None if use else False  # None: built again for this step
+            runner.decode_plan = plan if use else False
             with torch.inference_mode():
                 got.append(runner._decode_hidden(batch, tokens, places))
-            assert isinstance(runner.decode_plan, lm._DecodePlan) == use
+        assert plan.segments, "the plan did not run"  # encoded at its first run
         assert torch.equal(got[0], got[1]), step
         size = len(batches[0])
         for index in range(runner.num_layers):
@@ -333,6 +337,30 @@ def test_the_decode_plan_is_the_module_path_bit_for_bit(dtype, tiny_model_dir, o
                     assert torch.equal(batches[0].keys[index][rows[0]], batches[1].keys[index][rows[1]])
                     assert torch.equal(batches[0].values[index][rows[0]], batches[1].values[index][rows[1]])
         tokens = kernels.greedy_rows(runner.logits(got[0]))[0].tolist()
+
+
+def test_the_decode_plan_runs_its_layers_in_a_few_calls_and_names_a_bad_encoding(tiny_model_dir, ops):
+    """The plan's layers go to C++ in ``lm.PLAN_CALLS`` calls at most, every layer once in order;
+    a weight list that ends early is a clear error, not a crash."""
+    runner = TextModelRunner.load(tiny_model_dir, decode=True)
+    plan = lm._DecodePlan.build(runner)
+    segments = plan._encoded()
+    assert 1 < len(segments) <= lm.PLAN_CALLS
+    assert [index for layers, *_ in segments for index, _ in layers] == list(range(runner.num_layers))
+    layers, weights, ints, reals = segments[0]
+    state = runner.new_state()
+    runner.forward(runner.embed(torch.arange(3, 8)), positions.mrope_positions(5, [])[0], state)
+    batch = DecodeBatch(runner)
+    batch.add(state)
+    batch.reserve(1)
+    hidden = runner.model.config.hidden_size
+    buffers = [t for index, kind in layers for t in ((batch.conv[index], batch.recurrent[index])
+                                                      if kind == "gdn" else batch.paged(index)[:2])]
+    rows = batch.paged(runner.layer_types.index("full_attention"))[2:]
+    cos = sin = torch.zeros(1, runner.model.config.head_dim // 4)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="weight list ends early"):
+        torch.ops.epd_decode.decode_layers(None, torch.zeros(1, hidden), cos, sin, weights[:-3], ints, reals,
+                                           buffers, *rows)
 
 
 def test_the_decode_plan_steps_aside_where_the_module_path_differs(tiny_model_dir, ops, monkeypatch):

@@ -41,6 +41,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/mm.h>
 
 #include "elementwise.h"
@@ -1381,6 +1383,127 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   return {index, finite};
 }
 
+// ---- a run of a decode step's layers in one call (lm._DecodePlan)
+
+// The ops above in the order lm._DecodePlan's layers call them, over a run of layers whose
+// weights, widths and constants come as three flat lists (written by _DecodePlan._encode, read
+// here in the same order), and this step's buffers as a fourth (per layer its conv window and
+// recurrent state, or its K/V pools). Why one call: from Python the same ~10 calls a layer are
+// ~200 a step, and each gives the GIL up and takes it back; on a served replica other Python
+// threads (the gRPC loop making the tokens' messages, watches) hold it at times, and every
+// hand-over then waits for them (docs/BENCHMARKS.md). The values are those of the calls from
+// Python, bit for bit (tests/test_decode_kernels.py).
+class LayerReader {
+ public:
+  LayerReader(const c10::List<c10::optional<at::Tensor>>& tensors, at::IntArrayRef ints, at::ArrayRef<double> reals)
+      : tensors_(tensors), ints_(ints), reals_(reals) {}
+  c10::optional<at::Tensor> maybe() {
+    TORCH_CHECK(t_ < tensors_.size(), "epd_decode.decode_layers: the weight list ends early");
+    return tensors_.get(t_++);
+  }
+  at::Tensor tensor() {
+    c10::optional<at::Tensor> t = maybe();
+    TORCH_CHECK(t.has_value(), "epd_decode.decode_layers: a missing weight");
+    return *t;
+  }
+  int64_t integer() {
+    TORCH_CHECK(i_ < ints_.size(), "epd_decode.decode_layers: the int list ends early");
+    return ints_[i_++];
+  }
+  double real() {
+    TORCH_CHECK(r_ < reals_.size(), "epd_decode.decode_layers: the float list ends early");
+    return reals_[r_++];
+  }
+  bool done() const { return t_ == tensors_.size() && i_ == ints_.size() && r_ == reals_.size(); }
+  // a few-row linear layer: (packed weight, bias?) and its output width
+  at::Tensor linear(const at::Tensor& x) {
+    at::Tensor packed = tensor();
+    c10::optional<at::Tensor> bias = maybe();
+    return ::linear(x, packed, integer(), bias);
+  }
+
+ private:
+  const c10::List<c10::optional<at::Tensor>>& tensors_;
+  at::IntArrayRef ints_;
+  at::ArrayRef<double> reals_;
+  size_t t_ = 0, i_ = 0, r_ = 0;
+};
+
+at::Tensor gdn_decode_step(const at::Tensor& mixed, const at::Tensor& window, const at::Tensor& taps,
+                           const c10::optional<at::Tensor>& conv_bias, const at::Tensor& a, const at::Tensor& b,
+                           const at::Tensor& neg_a_exp, const at::Tensor& dt_bias, const at::Tensor& z,
+                           const at::Tensor& norm_weight, double norm_eps, const at::Tensor& state, int64_t k_heads,
+                           int64_t k_dim, int64_t v_dim) {
+  // epd_gdn.decode_step lives in the other library (epd/csrc/gdn_decode.cpp), loaded first
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("epd_gdn::decode_step", "");
+  torch::jit::Stack stack{mixed, window, taps, conv_bias, a, b, neg_a_exp, dt_bias, z, norm_weight, norm_eps,
+                          state, k_heads, k_dim, v_dim};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// Layers of one decode step over residual [B, hidden] (updated in place): `out` is the previous
+// layer's MLP output (None before the first layer); returns the last layer's, not yet added to
+// the residual. `state` holds per layer its buffers at full capacity (the step's rows are the
+// leading B): a Gated DeltaNet layer's conv window and recurrent state, an attention layer's K
+// and V pools; write/runs/offsets are the step's paged-attention rows (for attention layers).
+at::Tensor decode_layers(const c10::optional<at::Tensor>& out_in, at::Tensor residual, const at::Tensor& cos,
+                         const at::Tensor& sin, const c10::List<c10::optional<at::Tensor>>& weights,
+                         at::IntArrayRef ints, at::ArrayRef<double> reals, const c10::List<at::Tensor>& state,
+                         const c10::optional<at::Tensor>& write, const c10::optional<at::Tensor>& runs,
+                         const c10::optional<at::Tensor>& offsets) {
+  const int64_t size = residual.size(0);
+  LayerReader layer(weights, ints, reals);
+  c10::optional<at::Tensor> out = out_in;
+  size_t buffer = 0;
+  auto next_buffer = [&]() -> at::Tensor {
+    TORCH_CHECK(buffer < state.size(), "epd_decode.decode_layers: the buffer list ends early");
+    return state.get(buffer++);
+  };
+  while (!layer.done()) {
+    const at::Tensor w1 = layer.tensor(), w2 = layer.tensor();
+    const double eps1 = layer.real(), eps2 = layer.real();
+    const int64_t kind = layer.integer();
+    at::Tensor normed = add_rms_norm(out, residual, w1, eps1), core;
+    if (kind == 0) {  // Gated DeltaNet
+      const at::Tensor proj = layer.linear(normed);
+      const int64_t s0 = layer.integer(), s1 = layer.integer(), s2 = layer.integer(), s3 = layer.integer();
+      TORCH_CHECK(proj.size(1) == s0 + s1 + s2 + s3, "epd_decode.decode_layers: in_proj's parts");
+      const at::Tensor taps = layer.tensor();
+      const c10::optional<at::Tensor> conv_bias = layer.maybe();
+      const at::Tensor neg_a_exp = layer.tensor(), dt_bias = layer.tensor(), norm_weight = layer.tensor();
+      const double norm_eps = layer.real();
+      const int64_t k_heads = layer.integer(), k_dim = layer.integer(), v_dim = layer.integer();
+      const at::Tensor window = next_buffer().narrow(0, 0, size), recurrent = next_buffer().narrow(0, 0, size);
+      core = gdn_decode_step(proj.narrow(1, 0, s0), window, taps, conv_bias, proj.narrow(1, s0 + s1 + s2, s3),
+                             proj.narrow(1, s0 + s1, s2), neg_a_exp, dt_bias, proj.narrow(1, s0, s1), norm_weight,
+                             norm_eps, recurrent, k_heads, k_dim, v_dim);
+    } else {  // full attention
+      TORCH_CHECK(kind == 1, "epd_decode.decode_layers: a layer of unknown kind ", kind);
+      TORCH_CHECK(write.has_value() && runs.has_value() && offsets.has_value(),
+                  "epd_decode.decode_layers: an attention layer without the step's rows");
+      const at::Tensor proj = layer.linear(normed);
+      const int64_t s0 = layer.integer(), s1 = layer.integer(), s2 = layer.integer();
+      TORCH_CHECK(proj.size(1) == s0 + s1 + s2, "epd_decode.decode_layers: qkv_proj's parts");
+      const at::Tensor q_weight = layer.tensor(), k_weight = layer.tensor();
+      const double eps = layer.real(), scale = layer.real();
+      const at::Tensor keys = next_buffer(), values = next_buffer();
+      const at::Tensor query_gate = proj.narrow(1, 0, s0);
+      const at::Tensor query = attention_inputs(query_gate, proj.narrow(1, s0, s1), proj.narrow(1, s0 + s1, s2),
+                                                q_weight, k_weight, eps, cos, sin, keys, values, *write);
+      core = attend(query, keys, values, *runs, *offsets, scale, query_gate);
+    }
+    normed = add_rms_norm(layer.linear(core), residual, w2, eps2);
+    const at::Tensor gate_up = layer.linear(normed);
+    const int64_t gate = layer.integer(), up = layer.integer();
+    TORCH_CHECK(gate_up.size(1) == gate + up, "epd_decode.decode_layers: gate_up_proj's parts");
+    out = layer.linear(silu_mul(gate_up.narrow(1, 0, gate), gate_up.narrow(1, gate, up)));
+  }
+  TORCH_CHECK(buffer == state.size(), "epd_decode.decode_layers: more buffers than layers");
+  TORCH_CHECK(out.has_value(), "epd_decode.decode_layers: no layers");
+  return *out;
+}
+
 }  // namespace
 
 // Whether bfloat16 products of 5 rows or more run on AMX tiles in this build and process.
@@ -1417,6 +1540,8 @@ TORCH_LIBRARY(epd_decode, m) {
   m.def("attend(Tensor query, Tensor keys, Tensor values, Tensor runs, Tensor offsets, float scale, Tensor? gate) -> Tensor");
   m.def("attention_inputs(Tensor query_gate, Tensor key, Tensor value, Tensor q_weight, Tensor k_weight, float eps, "
         "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor write) -> Tensor");
+  m.def("decode_layers(Tensor? out, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor?[] weights, int[] ints, "
+        "float[] reals, Tensor[] state, Tensor? write, Tensor? runs, Tensor? offsets) -> Tensor");
   m.def("greedy_rows(Tensor logits) -> (Tensor, Tensor)");
   m.def("screens() -> int", &screens);
 #ifdef EPD_DECODE_SCREEN
@@ -1440,6 +1565,7 @@ TORCH_LIBRARY_IMPL(epd_decode, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("attend", &attend);
   m.impl("attention_inputs", &attention_inputs);
+  m.impl("decode_layers", &decode_layers);
   m.impl("greedy_rows", &greedy_rows);
 #ifdef EPD_DECODE_SCREEN
   m.impl("pack_i8", &pack_i8);
