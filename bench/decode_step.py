@@ -126,20 +126,28 @@ def _median_time(product, vector: torch.Tensor, device: torch.device, repeats: i
     return statistics.median(times)
 
 
+def prefilled_batch(runner: TextModelRunner, rows: int, context: int,
+                    vocab: int | None = None) -> tuple[DecodeBatch, list[int]]:
+    """A decode batch of ``rows`` requests, each a prompt of its own of ``context`` random text
+    tokens (ids below ``vocab``, the model's vocabulary by default; seeded by the slot), prefilled,
+    and each row's greedy next token: what the decode-step benches step. The rows' tokens differ,
+    so a MoE router sees a real batch."""
+    vocab = vocab or runner.lm_head_weight.shape[0]
+    pos, _ = positions.mrope_positions(context, [])
+    batch, tokens = DecodeBatch(runner), []
+    for slot in range(rows):
+        ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(slot))
+        state = runner.new_state()
+        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
+        batch.add(state)
+    return batch, tokens
+
+
 def time_decode_step(runner: TextModelRunner, batch_size: int, steps: int = 8, warmup: int = 2,
                      counter: ExpertCounter | None = None) -> float:
     """Median seconds of one decode step with ``batch_size`` requests of _PROMPT_TOKENS context
     (``counter``, when given, counts the experts each timed step chose)."""
-    vocab = runner.lm_head_weight.shape[0]
-    pos, _ = positions.mrope_positions(_PROMPT_TOKENS, [])
-    batch = DecodeBatch(runner)
-    tokens = []
-    # a prompt of its own per request: the rows' tokens differ, so a MoE router sees a real batch
-    for slot in range(batch_size):
-        ids = torch.randint(0, vocab, (_PROMPT_TOKENS,), generator=torch.Generator().manual_seed(slot))
-        state = runner.new_state()
-        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
-        batch.add(state)
+    batch, tokens = prefilled_batch(runner, batch_size, _PROMPT_TOKENS)
     times = []
     if counter is not None:
         counter.chosen, counter.per_step = [], []

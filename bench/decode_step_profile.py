@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from decode_svc.batch import DecodeBatch
-from epd import kernels, lm, positions
+from bench.decode_step import prefilled_batch
+from epd import kernels, lm
 from epd.lm import TextModelRunner
 
 
@@ -83,15 +83,7 @@ def main() -> None:
         runner.greedy_screen = None
     if not args.plan:
         runner.decode_plan = False
-    vocab = runner.lm_head_weight.shape[0]
-    pos, _ = positions.mrope_positions(args.context, [])
-    batch = DecodeBatch(runner)
-    tokens = []
-    for slot in range(args.batch):
-        ids = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(slot))
-        state = runner.new_state()
-        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
-        batch.add(state)
+    batch, tokens = prefilled_batch(runner, args.batch, args.context)
     position = args.context
     walls, cpus = [], []
     waited = None

@@ -34,8 +34,7 @@ VOCAB, WIDTH = 248320, 1024
 
 def _real(model: str, rows: int):
     """The checkpoint's LM head and ``rows`` final-normed hidden rows of a greedy decode."""
-    from decode_svc.batch import DecodeBatch
-    from epd import positions
+    from bench.decode_step import prefilled_batch
     from epd.lm import TextModelRunner
 
     runner = TextModelRunner.load(model, dtype="bfloat16", prepack=False)
@@ -49,14 +48,8 @@ def _real(model: str, rows: int):
         return greedy(hidden)
 
     runner.greedy = keep
-    vocab, context = runner.lm_head_weight.shape[0], 200
-    pos, _ = positions.mrope_positions(context, [])
-    batch, tokens = DecodeBatch(runner), []
-    for slot in range(rows):
-        ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(slot))
-        state = runner.new_state()
-        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
-        batch.add(state)
+    context = 200
+    batch, tokens = prefilled_batch(runner, rows, context)
     for step in range(4):
         tokens = runner.decode_step_greedy(batch, tokens, [context + step] * rows)[0].tolist()
     return runner.lm_head_weight, saved[-1]

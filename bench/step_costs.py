@@ -59,16 +59,10 @@ def chunks(args, runner: TextModelRunner) -> None:
 
 
 def gil(args, runner: TextModelRunner) -> None:
-    from decode_svc.batch import DecodeBatch
+    from bench.decode_step import prefilled_batch
 
     rows, context = 8, 300
-    pos, _ = positions.mrope_positions(context, [])
-    batch, tokens = DecodeBatch(runner), []
-    for slot in range(rows):
-        ids = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(slot))
-        state = runner.new_state()
-        tokens.append(int(runner.logits(runner.forward(runner.embed(ids), pos, state)).argmax()))
-        batch.add(state)
+    batch, tokens = prefilled_batch(runner, rows, context, vocab=1000)
     position = [context]
 
     def steps(count: int = 25) -> float:
