@@ -575,7 +575,10 @@ def _cmd_serve(args) -> int:
         for http in stack.http_addresses():
             say(f"epd http at {scheme}://{http}/v1")
         say(f"epd ready at {address}")
-        wait_forever(stack)
+        from epd import sched
+
+        with sched.control_plane():  # while it only waits, this process is control plane too
+            wait_forever(stack)
     except KeyboardInterrupt:
         pass
     except (DeploymentFailed, StartError, TimeoutError) as error:  # stop everything, say why in one line

@@ -22,9 +22,8 @@ import threading
 import time
 from dataclasses import replace
 
-from epd import core_share, logs
+from epd import core_share, logs, sched
 from epd.config import DeployConfig, redact_url
-from epd.sched import control_plane_batch
 from epd.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -159,7 +158,11 @@ class LocalStack:
         # stack; the caller's own handling (epd serve drains first) must stay in force.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         gpus = {} if self.deploy.local_gpus < 0 else {"num_gpus": self.deploy.local_gpus}
-        with control_plane_batch():  # Ray's daemons and every actor: SCHED_BATCH but the forward roles
+        try:
+            sched.control_policy()
+        except ValueError as error:
+            raise StartError(str(error)) from None
+        with sched.control_plane():  # Ray's daemons and every actor: the control plane's policy (epd/sched.py)
             ray.init(include_dashboard=False, logging_level=logging.WARNING, namespace=self.deploy.namespace,
                      **gpus, configure_logging=False,
                      runtime_env=logs.runtime_env(os.environ.get(logs.FORMAT_ENV, "text"),

@@ -25,10 +25,15 @@ import time
 
 import redis
 
+from epd import sched
+
 log = logging.getLogger(__name__)
 
 
 def _die_with_parent() -> None:
+    """In the child before exec (no imports here: the parent has threads): ends with its parent,
+    and is on the serving path (epd/sched.py)."""
+    sched.serving_path()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -449,6 +449,9 @@ class RoleServer:
         below the internal hops' cap; gRPC refuses a bigger one with RESOURCE_EXHAUSTED);
         ``max_concurrent_rpcs`` the calls it runs at once (gRPC refuses more with RESOURCE_EXHAUSTED).
         0: this process's ``configure``d hop settings (``rpc.max_message_mb``, ``rpc.max_concurrent_rpcs``)."""
+        from epd import sched
+
+        sched.serving_path()  # from the control plane's SCHED_IDLE it was started with (a forward role is at SCHED_OTHER)
         self.host = resolve_host(host)
         services = list(services)
         self._service_names = [name for _, _, name in services]
@@ -562,9 +565,9 @@ def _add_reflection_v1_descriptor(reflection_pb2) -> None:
 
     def rename(messages) -> None:
         for message in messages:
-            for field in message.field:
-                if field.type_name.startswith(old):
-                    field.type_name = new + field.type_name[len(old):]
+            for entry in message.field:
+                if entry.type_name.startswith(old):
+                    entry.type_name = new + entry.type_name[len(old):]
             rename(message.nested_type)
 
     rename(proto.message_type)

@@ -83,7 +83,7 @@ def configure_threads(num_threads: int = 0, cpus: str = "") -> int:
 
     from epd import sched
 
-    sched.set_policy(batch=False)  # a forward role: its wakeups may preempt the control plane's
+    sched.set_policy("other")  # a forward role: the default policy (it may preempt the control plane)
     if cpus:
         allowed = os.sched_getaffinity(0)
         wanted = parse_cpus(cpus) & allowed

@@ -148,39 +148,60 @@ POLICY = textwrap.dedent("""
 
     early = threading.Thread(target=time.sleep, args=(30,), daemon=True)
     early.start()  # a thread made before: Ray's and torch's in a role
-    with sched.control_plane_batch():
+    with sched.control_plane():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         inside = policies()
-    print("inside", inside == [os.SCHED_BATCH], "after", policies() == [os.SCHED_OTHER],
-          "child", policies(child.pid) == [os.SCHED_BATCH])
+    print("inside", inside == [os.SCHED_IDLE], "after", policies() == [os.SCHED_OTHER],
+          "child", policies(child.pid) == [os.SCHED_IDLE])
     child.kill()
-    sched.set_policy(batch=True)  # a forward role's process, started by a batch daemon
+    sched.set_policy("idle")  # a serving-path role's process, started by an idle daemon
+    sched.serving_path()
+    print("serving", policies() == [os.SCHED_BATCH])
+    sched.set_policy("idle")  # a forward role's process, started by an idle daemon
     late = threading.Thread(target=time.sleep, args=(30,), daemon=True)
     late.start()
     configure_threads(1, "")
+    sched.serving_path()  # a forward role serves too: it keeps the default policy
     print("forward", policies() == [os.SCHED_OTHER])
 """)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_the_control_plane_starts_as_batch_and_a_forward_role_takes_the_default_policy_back():
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_the_control_plane_starts_idle_the_serving_path_as_batch_and_a_forward_role_takes_the_default_policy():
     out = subprocess.run([sys.executable, "-c", POLICY], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["inside", "True", "after", "True", "child", "True", "forward", "True"]
+    assert out.stdout.split() == ["inside", "True", "after", "True", "child", "True", "serving", "True",
+                                  "forward", "True"]
     off = subprocess.run([sys.executable, "-c", POLICY], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "EPD_CONTROL_BATCH": "0"})
+                         env={**os.environ, "EPD_CONTROL_POLICY": "default"})
     assert off.returncode == 0, off.stderr
     assert off.stdout.split()[:6] == ["inside", "False", "after", "True", "child", "False"]
+    older = subprocess.run([sys.executable, "-c", POLICY], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "EPD_CONTROL_BATCH": "0"})
+    assert older.stdout.split()[:6] == ["inside", "False", "after", "True", "child", "False"], older.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_the_control_plane_policy_can_be_batch_and_a_wrong_value_is_named(monkeypatch):
+    from epd import sched
+
+    monkeypatch.setenv("EPD_CONTROL_POLICY", "batch")
+    assert sched.control_policy() == "batch"
+    monkeypatch.setenv("EPD_CONTROL_POLICY", "lowest")
+    with pytest.raises(ValueError, match="EPD_CONTROL_POLICY='lowest': expected idle, batch or default"):
+        sched.control_policy()
+    monkeypatch.delenv("EPD_CONTROL_POLICY")
+    assert sched.control_policy() == "idle"
 
 
 FORWARD_ROLES = ("ray::EncoderEngine", "ray::PrefillServer", "ray::DecodeServer", "ray::AggregateServer")
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_a_served_stack_runs_its_forward_roles_at_the_default_policy_and_the_rest_as_batch(serve):
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_served_stack_runs_its_forwards_at_the_default_policy_its_serving_path_as_batch_the_rest_idle(serve):
     import psutil
 
-    seen = {"forward": 0, "control": 0}
+    seen = {"forward": 0, "serving": 0, "control": 0}
     for process in psutil.Process(serve.proc.pid).children(recursive=True):
         try:
             name = " ".join(process.cmdline())
@@ -190,12 +211,16 @@ def test_a_served_stack_runs_its_forward_roles_at_the_default_policy_and_the_res
         if any(name.startswith(role) for role in FORWARD_ROLES):
             assert policies == {os.SCHED_OTHER}, name
             seen["forward"] += 1
-        elif name.startswith(("ray::Controller", "ray::Registry", "ray::RouterServer", "ray::EncodeServer")) \
-                or "gcs_server" in name or "/raylet" in name:
+        elif name.startswith(("ray::RouterServer", "ray::EncodeServer")) or "redis-server" in name:
             assert policies == {os.SCHED_BATCH}, name
+            seen["serving"] += 1
+        elif name.startswith(("ray::Controller", "ray::Registry", "ray::RedisKeeper")) \
+                or "gcs_server" in name or "/raylet" in name:
+            assert policies == {os.SCHED_IDLE}, name
             seen["control"] += 1
-    assert seen["forward"] >= 4 and seen["control"] >= 6, seen  # 2 encoders, prefill, decode; 4 actors, 2 daemons
-    assert os.sched_getscheduler(serve.proc.pid) == os.SCHED_OTHER  # the launcher itself, after Ray's start
+    assert seen["forward"] >= 4, seen  # 2 encoders, prefill, decode
+    assert seen["serving"] >= 3 and seen["control"] >= 5, seen  # router, encode front, Redis; 3 actors, 2 daemons
+    assert os.sched_getscheduler(serve.proc.pid) == os.SCHED_IDLE  # the launcher itself, waiting
 
 
 HEAP_SCRIPT = textwrap.dedent("""
