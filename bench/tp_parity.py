@@ -16,7 +16,6 @@ import json
 import torch
 
 from bench import tp_driver
-from epd import tensor_parallel as tp
 from epd.lm import TextModelRunner
 
 

@@ -285,7 +285,6 @@ class PrefillEngine:
                                token_ids[len(token_ids) - request.num_generated:]) if request.sampling.grammar else None
         # Only the prompt holds images: answer tokens a resumed request replays are text whatever
         # their id (a model may well sample <|image_pad|>), as they were when decode fed them.
-        prompt_len = len(token_ids) - request.num_generated
         pieces, hashes = request_block_hashes(token_ids, request.num_generated, request.images,
                                               self.info.image_token_id, self.info.video_token_id,
                                               self.prefix.block_size, self.info.fingerprint, request.cache_salt)
