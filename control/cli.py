@@ -441,7 +441,14 @@ def _cmd_bench(args) -> int:
             return 2
     if args.model:
         _raise_on_sigterm()  # so the local stack is stopped on SIGTERM too
-    report = run_bench(config)
+    from control.fleet import DeploymentFailed
+    from control.local import StartError
+
+    try:
+        report = run_bench(config)
+    except (DeploymentFailed, StartError) as error:  # the stack it started could not serve: one line, as epd serve says it
+        print(f"epd bench: error: {_cause(error)}", file=sys.stderr)
+        return 1
     print(format_report(report))
     if config.json_path:
         print(f"wrote {config.json_path}")

@@ -198,6 +198,15 @@ def test_serve_with_an_unreachable_redis_stops_in_one_line(tiny_model_dir):
                           code=1)
 
 
+def test_a_wrong_control_plane_policy_is_one_line_from_serve_and_bench(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("EPD_CONTROL_POLICY", "lowest")
+    message = "EPD_CONTROL_POLICY='lowest': expected idle, batch or default"
+    assert_one_line_error(epd("serve", "--model", tiny_model_dir, timeout=180), "epd serve: stopped: ", message, code=1)
+    out = epd("bench", "--model", tiny_model_dir, "--num-requests", "1", "--concurrency", "1", "--output-tokens", "2",
+              "--images-per-request", "0", "--prompt-tokens", "8", timeout=180)
+    assert_one_line_error(out, "epd bench: error: ", message, code=1)
+
+
 def test_deploy_without_internal_tls_refuses_to_send_the_token_in_clear(tiny_model_dir):
     """Across nodes the internal token would travel in clear: one line naming the flag and the TLS
     options, before Ray is reached (nothing listens at the address: the refusal comes first)."""
