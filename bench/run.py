@@ -100,6 +100,11 @@ class BenchConfig:
     """Each clip's length in seconds."""
     video_fps: float = 8.0
     """The clips' frame rate as written in the file (the server samples them at its own fps, 2 by default)."""
+    tokenizer_dir: str | None = None
+    """A checkpoint whose tokenizer counts the prompts' tokens (each prompt is the longest run of
+    words within ``prompt_tokens``); None: the ``stack``'s checkpoint, and with ``addr`` an estimate
+    of one token a word (a tokenizer may split a word in several: the server then gets longer
+    prompts than asked)."""
 
     def __post_init__(self) -> None:
         _check((self.addr is None) != (self.stack is None), "addr/model", "give exactly one of --addr and --model")
@@ -144,6 +149,11 @@ class BenchConfig:
     @property
     def model_dir(self) -> str | None:
         return self.stack.serve.model_dir if self.stack else None
+
+    @property
+    def prompt_tokenizer_dir(self) -> str | None:
+        """The checkpoint whose tokenizer sizes the prompts (``tokenizer_dir``, else the stack's)."""
+        return self.tokenizer_dir or self.model_dir
 
     @property
     def dtype(self) -> str:
@@ -203,10 +213,17 @@ def cpu_model() -> dict:
             "cpu_model_number": fields.get("model", ""), "cpu_flags": [f for f in VECTOR_FLAGS if f in flags]}
 
 
+def prompt_maker(config: BenchConfig) -> PromptMaker:
+    """Sizes the workload's prompts: with the tokenizer of ``config.prompt_tokenizer_dir`` where
+    there is one, else by the one-token-a-word estimate."""
+    directory = config.prompt_tokenizer_dir
+    return PromptMaker.from_model_dir(directory) if directory else PromptMaker()
+
+
 def run_bench(config: BenchConfig) -> dict:
     """Run everything the config asks for; returns the report (also written to ``json_path``)."""
     host = machine()  # before the run: the load average of the run itself would say nothing
-    prompts = PromptMaker.from_model_dir(config.model_dir) if config.model_dir else PromptMaker()
+    prompts = prompt_maker(config)
     workload = build_workload(config.workload_spec(), prompts, _video_settings(config))
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
     limits = _measure_limits(config)  # on the quiet machine, before either system runs
@@ -538,6 +555,10 @@ def format_report(report: dict) -> str:
                      f"{stages['prefill_s']:.2f}, decode {stages['decode_s']:.2f}); efficiency "
                      f"{ratio(report['efficiency'])}" + (f", baseline {ratio(report['baseline']['efficiency'])}"
                                                          if "baseline" in report else ""))
+    if settings and not settings.get("tokenizer_dir") and not settings.get("model_dir"):
+        lines.append(f"  note: prompts sized at one token a word ({settings.get('prompt_tokens')} words of text a "
+                     f"turn; the server counted {report['prompt_tokens_total']} prompt tokens in all): give "
+                     f"--tokenizer DIR to size them with the model's tokenizer")
     if report.get("config", {}).get("api") == "openai":
         lines.append(f"  cached tokens {report['cached_tokens']} (images and stage timings: not reported over HTTP)")
     else:

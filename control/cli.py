@@ -275,6 +275,9 @@ def _add_bench_parser(command) -> None:
                        help="the clips' frame rate in the file (the server samples at its own fps, 2 by default)")
     bench.add_argument("--prompt-tokens", type=_int_in(1, 10**6), required=True, metavar="T",
                        help="about T tokens of text per user turn")
+    bench.add_argument("--tokenizer", metavar="DIR", default=None,
+                       help="size the prompts with this checkpoint's tokenizer (default: --model's; with --addr, "
+                            "one token a word, which a tokenizer that splits words makes longer)")
     bench.add_argument("--output-tokens", type=_int_in(1, 10**6), required=True, metavar="O",
                        help="exactly O generated tokens per request (greedy, EOS ignored)")
     bench.add_argument("--repeat-ratio", type=_float_in(0, 1), default=0.0, metavar="F",
@@ -425,12 +428,25 @@ def _cmd_bench(args) -> int:
             api_key=(stack.serve.security.api_key if stack else os.environ.get("EPD_API_KEY")) or None,
             vllm_env=args.vllm_env, vllm_args=vllm_args, videos_per_request=args.videos_per_request,
             video_sizes=args.video_sizes,
-            video_seconds=args.video_seconds, video_fps=args.video_fps,
+            video_seconds=args.video_seconds, video_fps=args.video_fps, tokenizer_dir=args.tokenizer,
         )
     except ConfigError as error:
         args.parser.error(str(error))
     if args.model:
         _check_checkpoint(args, args.model)
+    if args.tokenizer:  # before anything starts: a tokenizer that does not load is one line
+        from bench.run import prompt_maker
+
+        if not os.path.isdir(args.tokenizer):  # never a hub name: this machine may have no network
+            print(f"epd bench: error: --tokenizer {args.tokenizer}: not a directory", file=sys.stderr)
+            return 2
+        try:
+            prompt_maker(config)
+        except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            print(f"epd bench: error: --tokenizer {args.tokenizer}: no tokenizer loads from it ({first})",
+                  file=sys.stderr)
+            return 2
     if args.baseline == "vllm":  # before anything starts: say in one line how to make it
         from bench.peers.vllm import VllmUnavailable, find_env
 

@@ -550,3 +550,37 @@ def test_stack_tax_reads_the_step_profiles_median(tiny_model_dir):
                                           ["--batch", "2", "--context", "16", "--threads", "1", "--steps", "4"])
     assert wall > 0 and cpu > 0
     assert waited is not None and waited >= 0
+
+
+def test_tokenizer_sizes_the_prompts_of_a_run_against_an_address(tiny_model_dir):
+    """With --addr there is no checkpoint to count tokens with unless --tokenizer names one: the
+    prompts are then as long as asked in the model's tokens, not one token a word."""
+    from transformers import AutoTokenizer
+
+    from bench.run import BenchConfig, prompt_maker
+
+    spec = dict(addr="127.0.0.1:1", num_requests=2, concurrency=1, images_per_request=0, prompt_tokens=40,
+                output_tokens=4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def counts(config):
+        workload = build_workload(config.workload_spec(), prompt_maker(config))
+        return [len(tokenizer(turn.text, add_special_tokens=False)["input_ids"])
+                for conversation in workload.conversations for turn in conversation.turns]
+
+    sized = counts(BenchConfig(**spec, tokenizer_dir=tiny_model_dir))
+    assert all(35 <= count <= 40 for count in sized), sized
+    estimated = counts(BenchConfig(**spec))  # 40 words: the tiny tokenizer splits words into several tokens
+    assert all(count > 40 for count in estimated), estimated
+
+
+def test_a_tokenizer_dir_that_does_not_load_is_one_line(tmp_path):
+    from tests.conftest import epd
+    from tests.test_cli_errors import assert_one_line_error
+
+    args = ["bench", "--addr", "127.0.0.1:1", "--num-requests", "1", "--concurrency", "1",
+            "--images-per-request", "0", "--prompt-tokens", "8", "--output-tokens", "2"]
+    assert_one_line_error(epd(*args, "--tokenizer", str(tmp_path / "missing")), "epd bench: error:",
+                          "--tokenizer", "not a directory")
+    assert_one_line_error(epd(*args, "--tokenizer", str(tmp_path)), "epd bench: error:",
+                          "--tokenizer", "no tokenizer loads from it")
