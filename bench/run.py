@@ -220,10 +220,11 @@ def prompt_maker(config: BenchConfig) -> PromptMaker:
     return PromptMaker.from_model_dir(directory) if directory else PromptMaker()
 
 
-def run_bench(config: BenchConfig) -> dict:
-    """Run everything the config asks for; returns the report (also written to ``json_path``)."""
+def run_bench(config: BenchConfig, prompts: PromptMaker | None = None) -> dict:
+    """Run everything the config asks for; returns the report (also written to ``json_path``).
+    ``prompts``: the config's ``prompt_maker`` where the caller made it already."""
     host = machine()  # before the run: the load average of the run itself would say nothing
-    prompts = prompt_maker(config)
+    prompts = prompts or prompt_maker(config)
     workload = build_workload(config.workload_spec(), prompts, _video_settings(config))
     slo = Slo(config.slo_ttft_s, config.slo_tpot_s)
     limits = _measure_limits(config)  # on the quiet machine, before either system runs

@@ -434,6 +434,7 @@ def _cmd_bench(args) -> int:
         args.parser.error(str(error))
     if args.model:
         _check_checkpoint(args, args.model)
+    prompts = None
     if args.tokenizer:  # before anything starts: a tokenizer that does not load is one line
         from bench.run import prompt_maker
 
@@ -441,7 +442,7 @@ def _cmd_bench(args) -> int:
             print(f"epd bench: error: --tokenizer {args.tokenizer}: not a directory", file=sys.stderr)
             return 2
         try:
-            prompt_maker(config)
+            prompts = prompt_maker(config)
         except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             print(f"epd bench: error: --tokenizer {args.tokenizer}: no tokenizer loads from it ({first})",
@@ -461,7 +462,7 @@ def _cmd_bench(args) -> int:
     from control.local import StartError
 
     try:
-        report = run_bench(config)
+        report = run_bench(config, prompts)
     except (DeploymentFailed, StartError) as error:  # the stack it started could not serve: one line, as epd serve says it
         print(f"epd bench: error: {_cause(error)}", file=sys.stderr)
         return 1
