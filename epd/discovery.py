@@ -457,16 +457,24 @@ class Balancer:
         self._sent_tokens: dict[str, int] = {}  # routed calls in flight: the work they carry, by replica
         self._held: dict[str, tuple[bytes, frozenset[bytes]]] = {}  # name -> (its summary, decoded)
         self._holders: dict[bytes, set[str]] = {}  # summary key -> the replicas holding it
+        # name -> the incarnation last listed, kept while the replica is unlisted: a restart that
+        # re-registers after its dead incarnation left the listing still gets a clean slate
+        self._incarnations: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def update(self, endpoints: list[Endpoint]) -> None:
         with self._lock:
             live = {e.name: e for e in endpoints if e.takes_work}
             self._names = {e.address: e.name for e in endpoints}
+            for endpoint in endpoints:
+                known = self._incarnations.get(endpoint.name)
+                if known is not None and known != endpoint.incarnation:
+                    # a restarted replica: a clean slate (its dead incarnation's breaker could
+                    # otherwise keep it out for up to Breaker.max_s after it is back)
+                    self._breakers.pop(endpoint.name, None)
+                    self._stranded.pop(endpoint.name, None)
+                self._incarnations[endpoint.name] = endpoint.incarnation
             for name, endpoint in live.items():
-                known = self._live.get(name)
-                if known is not None and known.incarnation != endpoint.incarnation:
-                    self._breakers.pop(name, None)  # a restarted replica: a clean slate
                 summary = endpoint.load.prefix_summary
                 if self._held.get(name, (None,))[0] != summary:
                     self._hold(name, summary)

@@ -329,6 +329,19 @@ def test_a_restarted_replica_gets_a_clean_breaker():
     assert balancer.num_available() == 0
     balancer.update([_ep("a", incarnation="i2")])
     assert balancer.num_available() == 1
+    # The dead incarnation leaves the listing before the restarted one registers (a restart
+    # slower than the registry's health check): the breaker it opened is dropped all the same.
+    balancer.pick()
+    balancer.release("a", ok=False)
+    balancer.update([])
+    balancer.update([_ep("a", incarnation="i3")])
+    assert balancer.num_available() == 1
+    # Unhealthy but still listed, then back as the same incarnation: the breaker stands.
+    balancer.pick()
+    balancer.release("a", ok=False)
+    balancer.update([_ep("a", incarnation="i3", healthy=False)])
+    balancer.update([_ep("a", incarnation="i3")])
+    assert balancer.num_available() == 0
 
 
 def test_a_call_whose_only_replica_died_waits_for_its_restart_until_told_to_give_up():
