@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh clone:
 #   make demo   create the tiny checkpoint if missing, serve it, send an image request,
 #               print the streamed answer and whether it matches transformers
-#   make test   the test suite (what CI runs)
+#   make test   the lint (make lint: ruff, pyproject's [tool.ruff]) and the test suite (what CI runs)
 #   make vllm-env  vLLM's CPU build in a virtual environment of its own ($(VLLM_VENV)), for
 #               `epd bench --baseline vllm`; idempotent (scripts/vllm_env.py says what it did)
 PYTHON ?= python3
@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 MODEL ?= models/tiny
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: install demo test test-slow protos clean vllm-env video-ref-env
+.PHONY: install demo lint test test-slow protos clean vllm-env video-ref-env
 
 install: $(VENV)/.installed
 
@@ -32,7 +32,11 @@ $(MODEL)/config.json: | install
 demo: install $(MODEL)/config.json
 	$(VENV)/bin/epd demo --model $(MODEL)
 
-test: install
+# pyflakes' checks, import order and syntax errors (pyproject's [tool.ruff]); seconds
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	$(PY) -m pytest -q
 
 test-slow: install

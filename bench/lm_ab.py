@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+
 from decode_svc.batch import DecodeBatch
 from epd import positions
 from epd.lm import TextModelRunner

@@ -27,8 +27,8 @@ import torch
 from PIL import Image, ImageOps
 from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
-from transformers.utils import logging as transformers_logging
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.utils import logging as transformers_logging
 
 from epd.family import family_of, model_kwargs
 

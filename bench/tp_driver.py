@@ -16,7 +16,6 @@ from epd.lm import HybridState, TextModelRunner
 from epd.tensor_parallel import gather_state, shard_runner, split_state
 
 
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

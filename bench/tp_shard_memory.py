@@ -29,9 +29,9 @@ def main() -> None:
     parser.add_argument("dtype", choices=["float32", "bfloat16"])
     parser.add_argument("how", choices=["old", "new"])
     args = parser.parse_args()
-    from epd.tp_group import load_shard
     from epd.lm import TextModelRunner
     from epd.tensor_parallel import shard_runner
+    from epd.tp_group import load_shard
 
     torch.set_num_threads(1)
     base, peak = anon_gib(), [0.0]

@@ -19,8 +19,15 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from epd.config import (DTYPE_CHOICES, ConfigError, DeployConfig, deploy_file_tensor_parallel, field_default,
-                        field_docs, load_deploy_file)
+from epd.config import (
+    DTYPE_CHOICES,
+    ConfigError,
+    DeployConfig,
+    deploy_file_tensor_parallel,
+    field_default,
+    field_docs,
+    load_deploy_file,
+)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ from decode_svc.batch import DecodeBatch
 from decode_svc.blocks import BlockPool
 from decode_svc.scheduler import DecodeRequest, DecodeScheduler, RequestStatus, StepPlan, TokenEvent
 from epd import discovery, forward_trace, kernels
-from epd.core_share import forward_turn
 from epd.config import DecodeConfig
+from epd.core_share import forward_turn
 from epd.grammar import GrammarState
 from epd.lm import HybridState, TextModelRunner
-from epd.mixed import ChunkSource, PlannedChunks
 from epd.metrics import Family, counter, gauge
+from epd.mixed import ChunkSource, PlannedChunks
 from epd.request import FinishReason
 from epd.sampling import SamplingConfig, TokenHistory, sample, stops_on
 

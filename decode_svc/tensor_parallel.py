@@ -36,7 +36,6 @@ from epd.tensor_parallel import gather_state, split_state
 from epd.tensors import forward_team
 from epd.tp_group import FollowerGroup, broadcast_state, follower_main, receive, send, whole_shapes
 
-
 # --------------------------------------------------------------------------- rank 0: what the engine sees
 
 

@@ -27,10 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
-from epd import (checkpoint, core_share, errors, forward_trace, imaging, kernels, kernels_prefill, limits, memory_plan,
-                 rpc, video)
-from epd.core_share import forward_turn
+from epd import (
+    checkpoint,
+    core_share,
+    errors,
+    forward_trace,
+    imaging,
+    kernels,
+    kernels_prefill,
+    limits,
+    memory_plan,
+    rpc,
+    video,
+)
 from epd.config import ServeConfig
+from epd.core_share import forward_turn
 from epd.discovery import Membership, RoleContext
 from epd.modelinfo import ModelInfo
 from epd.store import Embedding, EmbeddingStore, StoreUnavailable, encode_value

@@ -293,8 +293,8 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _vision_attention_class():
     """``RotaryVisionAttention``: made on first use (transformers' Qwen3.5 module is imported only
     by a process that builds a vision tower)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
 
     class RotaryVisionAttention(qm.Qwen3_5VisionAttention):
         """transformers' ``Qwen3_5VisionAttention`` with the rotary embedding of the query and the

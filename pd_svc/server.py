@@ -17,6 +17,8 @@ only composes them.
 
 from __future__ import annotations
 
+from decode_svc.engine import DecodeEngine
+from decode_svc.server import DecodeServicer, submit_handoff
 from epd import discovery, memory_plan, rpc
 from epd.config import ServeConfig
 from epd.discovery import Load, Membership, RoleContext
@@ -27,9 +29,6 @@ from epd.modelinfo import ModelInfo
 from epd.store import EmbeddingStore
 from epd.tensors import configure_threads, default_device, freeze_startup_heap, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
-
-from decode_svc.engine import DecodeEngine
-from decode_svc.server import DecodeServicer, submit_handoff
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.server import PrefillServicer
 

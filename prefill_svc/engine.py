@@ -38,19 +38,27 @@ from typing import Protocol
 import torch
 
 from epd import discovery, errors, forward_trace, limits, positions
-from epd.core_share import forward_turn
 from epd.config import PrefillConfig
+from epd.core_share import forward_turn
 from epd.grammar import GrammarState
 from epd.grammar import tokenizer_for as grammar_tokenizer
 from epd.lm import HybridState, StepOutput, TextModelRunner
 from epd.metrics import Family, counter, gauge
 from epd.mixed import PlannedChunks
 from epd.modelinfo import ModelInfo
-from epd.request import FinishReason
-from epd.sampling import (PromptLogprob, SamplingConfig, TokenHistory, TokenLogprobs, history_for,
-                          prompt_logprobs, sample, stops_on)
-from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.prefix import request_block_hashes, summary_key
+from epd.request import FinishReason
+from epd.sampling import (
+    PromptLogprob,
+    SamplingConfig,
+    TokenHistory,
+    TokenLogprobs,
+    history_for,
+    prompt_logprobs,
+    sample,
+    stops_on,
+)
+from epd.store import EmbeddingStore, StoreUnavailable, decode_value
 from epd.v1 import epd_pb2
 from prefill_svc.caches import ByteLRU, PrefixCache, snapshot_points
 from prefill_svc.scheduler import PrefillScheduler, PromptProgress

@@ -24,10 +24,10 @@ from epd.discovery import Membership, RoleContext
 from epd.lm import HybridState, TextModelRunner
 from epd.metrics import Family, counter, serve_metrics
 from epd.modelinfo import ModelInfo
+from epd.sampling import check_vocab
 from epd.store import EmbeddingStore
 from epd.tensors import configure_threads, default_device, freeze_startup_heap, release_thread_team
 from epd.v1 import epd_pb2, epd_pb2_grpc
-from epd.sampling import check_vocab
 from epd.wire import logprobs_to_proto, prompt_logprob_to_proto, sampling_from_proto
 from prefill_svc.engine import PrefillEngine
 

@@ -21,7 +21,6 @@ from epd.lm import TextModelRunner
 from tests.conftest import needs_compiler
 
 
-
 def _layer(k_heads, v_heads, k_dim, v_dim, dtype, bias=False, seed=0):
     torch.manual_seed(seed)
     config = Qwen3_5TextConfig(hidden_size=48, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,

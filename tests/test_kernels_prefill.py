@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from epd import checkpoint, kernels, kernels_prefill
 
-
 needs_operator = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
     reason="torch's mkldnn_matmul needs AVX-512 or AVX-NE-CONVERT on this CPU (whatever the dtype)")

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from epd import memory_plan as mp
-from epd.checkpoint import PRESETS, PUBLISHED, check_can_create, config_from_name, count_parameters, \
-    create_checkpoint, creation_need
+from epd.checkpoint import (
+    PRESETS,
+    PUBLISHED,
+    check_can_create,
+    config_from_name,
+    count_parameters,
+    create_checkpoint,
+    creation_need,
+)
 from epd.family import family_of_config
 from tests.conftest import epd
 from tests.test_cli_errors import assert_one_line_error

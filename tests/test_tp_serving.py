@@ -169,9 +169,9 @@ def test_a_bad_tensor_parallel_is_refused_naming_it(tiny_model_dir, tmp_path, ar
 def test_a_shard_loaded_in_bfloat16_from_float32_files_equals_a_cut_of_the_bfloat16_model(tiny_model_dir):
     """load_shard opens the float32 files as stored and converts each slice as it is cut: the same
     tensors as loading the whole model in bfloat16 and cutting it."""
-    from epd.tp_group import load_shard
     from epd.lm import TextModelRunner
     from epd.tensor_parallel import shard_runner
+    from epd.tp_group import load_shard
 
     for rank in range(2):
         shard = load_shard(tiny_model_dir, "bfloat16", rank, 2, prepack=False)
