@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts")
     parser.add_argument("--images", type=int, default=32, help="images per throughput run")
     parser.add_argument("--size", default="448x448", help="WIDTHxHEIGHT of every image")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per encoder replica")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per encoder replica (default 1; with --batch-sizes every core)")
     parser.add_argument("--concurrency", type=int, default=0, help="Encode calls in flight (0: 2 per replica)")
     parser.add_argument("--ttft-images", type=int, default=4)
     parser.add_argument("--ttft-runs", type=int, default=3)
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_sizes:
         return _batch_sizes(args)
+    args.threads = 1 if args.threads is None else args.threads
     counts = sorted({int(n) for n in args.replicas.split(",")}, reverse=True)
     width, height = (int(v) for v in args.size.lower().split("x"))
     seeds = itertools.count(1_000_000)
@@ -112,7 +114,7 @@ def _batch_sizes(args) -> int:
     serve = ServeConfig(model_dir=args.model, encode=EncodeConfig(dtype=args.dtype),
                         store=StoreConfig(redis_url="unix:///nonexistent/redis.sock"))
     engine = EncoderEngine(serve, RoleContext(name="encoder-bench"))
-    configure_threads(0)
+    configure_threads(args.threads or 0)  # this thread runs the forwards below
     pixels = [imaging.load_pixels(make_image(width, height, seed=n), engine.settings) for n in range(max(sizes))]
     engine._run_vision([pixels[0][0]], [pixels[0][1]])  # warm-up (oneDNN builds its kernels)
     rows = []
